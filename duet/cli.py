@@ -19,6 +19,7 @@ from duet import (
     cmd_models,
     cmd_nodes,
     cmd_plan,
+    cmd_rollout,
     cmd_status,
     cmd_up,
 )
@@ -37,6 +38,7 @@ Serve the OpenAI API:               duet gateway --config gateway.toml
 Teams, keys and usage:              duet teams | duet keys | duet usage report
 Load-test and measure:              duet bench engine | kvtransfer | pd | serve | profile
 Plan capacity and cost:             duet plan
+Roll a model to a new version:      duet rollout start MODEL --to VERSION (status, rollback)
 """
 
 
@@ -57,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmd_gateway.add_parsers(sub)
     cmd_bench.add_parser(sub)
     cmd_plan.add_parser(sub)
+    cmd_rollout.add_parser(sub)
     for name in TRACED:  # one flag for every process kind (read in main)
         sub.choices[name].add_argument(
             "--trace",

@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.accounts.auth import MIN_ADMIN_KEY
 from gateway.accounts.store import open_store
 from gateway.accounts.store.base import Store, StoreError
-from gateway.api import admin, embeddings, openai, tokens
+from gateway.api import admin, embeddings, openai, rollout, tokens
 from gateway.api.anthropic import api as anthropic_api
 from gateway.api.anthropic import count as anthropic_count
 from gateway.api.responses import api as responses_api
@@ -245,6 +245,9 @@ def make_app(config: GatewayConfig) -> web.Application:
     r.add_delete("/admin/keys/{id}", _bind(admin.revoke_key))
     r.add_get("/admin/batches", _bind(admin.list_batches))
     r.add_post("/admin/batches/{id}/cancel", _bind(admin.cancel_batch))
+    r.add_get("/admin/models/{model}/versions", _bind(rollout.get_versions))
+    r.add_put("/admin/models/{model}/versions", _bind(rollout.set_weights))
+    r.add_post("/admin/models/{model}/rollout", _bind(rollout.rollout))
     install_console(app, STATE)  # /console: the operator console (gateway/console)
     return app
 

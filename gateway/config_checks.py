@@ -23,7 +23,7 @@ from gateway.config_tables import (
     StaticNodes,
     TeamPolicy,
 )
-from gateway.config_versions import VersionError, parse_versions
+from gateway.config_versions import VersionError, parse_rollout, parse_versions
 from gateway.tools.formats import TOOL_PARSERS
 from runtime.tables import from_table
 
@@ -42,6 +42,7 @@ def model(name: str, data: Any) -> ModelConfig:
     data = dict(data)
     static = data.pop("static", None)
     versions = data.pop("versions", None)
+    rollout = data.pop("rollout", None)
     options = {k: data.pop(k) for k in PROVIDER_KEYS if k in data}
     if "provider_options" in data:
         raise ConfigError(f"[models.{name}] has unknown keys: provider_options")
@@ -58,8 +59,12 @@ def model(name: str, data: Any) -> ModelConfig:
             )
         try:
             m = replace(m, versions=parse_versions(name, versions))
+            if rollout is not None:
+                m = replace(m, rollout=parse_rollout(name, rollout))
         except VersionError as e:
             raise ConfigError(str(e)) from None
+    elif rollout is not None:
+        raise ConfigError(f"[models.{name}] a rollout needs [models.{name}.versions]")
     if m.kind not in ("cluster", "external", "embedding"):
         raise ConfigError(
             f"[models.{name}] kind must be 'cluster', 'external' or 'embedding', got {m.kind!r}"

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gateway.config_versions import ModelVersion
+from gateway.config_versions import ModelVersion, RolloutPolicy
 from runtime.plane import PlaneSecurity
 from runtime.read_deadlines import ReadDeadlines
 from runtime.tracing import TracingConfig
@@ -98,6 +98,8 @@ class ModelConfig:
     teams: tuple[str, ...] | None = None
     #: its weighted set of versions (gateway/config_versions.py; (): one, `cluster_name`)
     versions: tuple[ModelVersion, ...] = ()
+    #: how `duet rollout start` moves its requests to a new version (None: the defaults)
+    rollout: RolloutPolicy | None = None
     #: guides close a schema's objects that omit `additionalProperties` (text/json_closed.py);
     #: false: as written. A request's `disable_additional_properties` overrides it
     closed_objects: bool = True

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 
@@ -174,8 +175,19 @@ def served_adapter(engine: NodeEngine, model: str | None) -> str | None:
     )
 
 
+def injected_fault(state: NodeState) -> None:
+    """`--fail-fraction f`: request n fails when it takes floor(n * f) past floor((n-1) * f)."""
+    f = state.config.fail_fraction
+    if not f:
+        return
+    state.completions_seen = n = state.completions_seen + 1
+    if math.floor(n * f) > math.floor((n - 1) * f):
+        raise APIError(500, "injected fault (--fail-fraction)", type_="server_error")
+
+
 async def handle_completions(state: NodeState, request: web.Request) -> web.StreamResponse:
     raw = await request.read()
+    injected_fault(state)
     return await dispatch(state, request, await prepare(state, raw))
 
 

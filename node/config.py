@@ -123,6 +123,9 @@ class NodeConfig:
     #: request in flight (the registration stays; the next request wakes it: node/sleep.py).
     #: None: only `POST /sleep` puts the node to sleep
     sleep_after_idle_s: float | None = None
+    #: a fault for rollout drills and tests: this fraction of the completion requests the node
+    #: gets answer 500 before its engine sees them, evenly spread (0.2: every fifth)
+    fail_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -153,6 +156,8 @@ class NodeConfig:
                 "sleep_after_idle_s must be a positive number of seconds, "
                 f"got {self.sleep_after_idle_s}"
             )
+        if not 0 <= self.fail_fraction < 1:
+            raise ValueError(f"fail fraction must be in [0, 1), got {self.fail_fraction}")
         if not 1 <= self.guide_compile_threads <= 64:
             raise ValueError(
                 f"guide compile threads must be in [1, 64], got {self.guide_compile_threads}"

@@ -59,6 +59,8 @@ class NodeState:
     #: `status: active` and then ends the drain here; False when the node is exiting
     undrain_registered: Callable[[], Awaitable[bool]] | None = None
     inflight: int = 0
+    #: completion requests received, for --fail-fraction's even spread
+    completions_seen: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     shutdown: asyncio.Event = field(default_factory=asyncio.Event)
     exit_code: int = 0

@@ -34,7 +34,7 @@ def test_versions_parse_and_split_exactly_by_weight() -> None:
         ("v1", "tiny-v1", 95),
         ("v2", "tiny-v2", 5),
     ]
-    split = VersionSplit(m)
+    split = VersionSplit([v.weight for v in m.versions])
     picks = [split.pick() for _ in range(200)]
     assert Counter(picks) == {0: 190, 1: 10}
     canary = [i for i, p in enumerate(picks) if p == 1]
@@ -43,7 +43,7 @@ def test_versions_parse_and_split_exactly_by_weight() -> None:
 
 def test_a_version_of_weight_zero_takes_nothing() -> None:
     m = _model({"v1": {"served_name": "a"}, "v2": {"served_name": "b", "weight": 0}})
-    split = VersionSplit(m)
+    split = VersionSplit([v.weight for v in m.versions])
     assert {split.pick() for _ in range(50)} == {0}
 
 

@@ -10,13 +10,23 @@ answer, which reads the same stream.
 The request ends any way but complete (error, client gone, cancelled) → `POST /abort` on every
 node it touched, in a task the client's cancellation cannot stop.
 
+A versioned model's attempt is pinned to one version (versions.py), and counted in that
+version's outcomes (version_outcomes.py: what a rollout judges it by). An attempt that fails on
+its version before its first token (every node tried failed, or none could be routed: a 5xx)
+runs again, under the same request id, on the version serving the most of the others: the
+client gets an answer while a bad version is still taking requests, and the record names the
+version that answered.
+
 Usage: the prompt is billed once, with the cached tokens the answering leg of sample 0
 reported; each piece carries the completion tokens whose output it delivers (samples.py).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import replace
 
 from gateway.accounts.usage import Accounting
 from gateway.backends.base import Attempt, Backend, Piece, Reply, Shed
@@ -24,7 +34,7 @@ from gateway.backends.cluster.fanout import fan_out
 from gateway.backends.cluster.migration import migrate
 from gateway.backends.cluster.nodes import Nodes
 from gateway.backends.cluster.request import ClusterRequest
-from gateway.backends.cluster.versions import Versions
+from gateway.backends.cluster.versions import Versions, VersionSet
 from gateway.backends.node_client import NodeClient
 from gateway.backends.providers.fallback import Reason
 from gateway.backends.routing import NodeLoad, Router
@@ -32,6 +42,8 @@ from gateway.config import RoutingConfig, Tier
 from gateway.serving.requests import Endpoint, Request
 from protocol.openai import APIError
 from runtime.tracing import Tracing
+
+log = logging.getLogger("duet.gateway.cluster")
 
 #: errors that mean "no node can serve this model now" (router and ClusterBackend codes)
 _NO_NODES = {(503, "no_capacity"), (503, "upstream_unavailable")}
@@ -66,17 +78,57 @@ class ClusterBackend(Backend):
         return Reason.NO_HEALTHY_NODES if (err.status, err.code) in _NO_NODES else None
 
     def open(self, request: Request, attempt: Attempt) -> Reply:
-        pinned, version = self.versions.pin(attempt)
+        if not attempt.model.versions:
 
-        def pieces(acc: Accounting) -> AsyncGenerator[Piece, None]:
-            acc.version = version
-            return self._pieces(ClusterRequest(self.nodes, request, pinned, acc))
+            def pieces(acc: Accounting) -> AsyncGenerator[Piece, None]:
+                return self._pieces(ClusterRequest(self.nodes, request, attempt, acc))
 
-        return Reply(pieces, prompt_tokens=len(attempt.prompt_ids))
+            return Reply(pieces, prompt_tokens=len(attempt.prompt_ids))
+        vs = self.versions.of(attempt.model)
+        first = vs.pick()
+
+        def versioned(acc: Accounting) -> AsyncGenerator[Piece, None]:
+            return self._versioned(request, attempt, vs, first, acc)
+
+        return Reply(versioned, prompt_tokens=len(attempt.prompt_ids))
 
     async def drain(self) -> None:
         """Wait for pending aborts (at shutdown)."""
         await self.nodes.drain()
+
+    async def _versioned(
+        self, request: Request, attempt: Attempt, vs: VersionSet, i: int, acc: Accounting
+    ) -> AsyncGenerator[Piece, None]:
+        """The attempt on version `i`; failed there before its first token, on the fallback
+        version (module docstring). Each version's try counts in its outcomes."""
+        tried = set[int]()
+        while True:
+            tried.add(i)
+            name = acc.version = vs.versions[i].name
+            r = ClusterRequest(self.nodes, request, replace(attempt, model=vs.models[i]), acc)
+            t0, answered = time.monotonic(), False
+            try:
+                async for piece in self._pieces(r):
+                    if not answered:
+                        answered = True
+                        vs.outcomes.record(name, True, time.monotonic() - t0)
+                    yield piece
+                return
+            except APIError as e:
+                if answered:
+                    raise
+                vs.outcomes.record(name, False)
+                j = vs.fallback(tried) if e.status >= 500 else None  # a 4xx is the request's own
+                if j is None:
+                    raise
+                log.warning(
+                    "%s: failed on version %s (%s); trying version %s",
+                    attempt.request_id,
+                    name,
+                    e.message,
+                    vs.versions[j].name,
+                )
+                i = j
 
     async def _pieces(self, r: ClusterRequest) -> AsyncGenerator[Piece, None]:
         complete = False
