@@ -41,6 +41,9 @@ class VersionStatus(msgspec.Struct, frozen=True, kw_only=True):
     attempts: int
     failed: int
     ttft_p90_s: float | None
+    #: every attempt on it since this gateway started, and how many failed
+    total_attempts: int
+    total_failed: int
 
 
 class EventView(msgspec.Struct, frozen=True, kw_only=True):

@@ -144,6 +144,7 @@ COMPONENT_BENCHMARKS = {
     "bench/kv_tiers.py": {"engine"},
     "bench/kv_int8.py": {"engine"},
     "bench/route.py": {"coordinator"},
+    "bench/rollout_plane.py": {"coordinator"},  # its etcd (coordinator/etcd_server.py)
     "bench/router.py": {"gateway"},
     "bench/profile.py": {"engine", "sim"},
     "bench/engine_tiers.py": {"engine"},

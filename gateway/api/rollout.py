@@ -64,6 +64,7 @@ def view(vs: VersionSet) -> VersionsView:
     rows = []
     for v in vs.versions:
         s = vs.outcomes.stats(v.name, p.window_s)
+        attempted, failed = vs.outcomes.totals.get(v.name, (0, 0))
         rows.append(
             VersionStatus(
                 name=v.name,
@@ -72,6 +73,8 @@ def view(vs: VersionSet) -> VersionsView:
                 attempts=s.attempts,
                 failed=s.failed,
                 ttft_p90_s=s.ttft_p90_s,
+                total_attempts=attempted,
+                total_failed=failed,
             )
         )
     total = sum(vs.weights.values())

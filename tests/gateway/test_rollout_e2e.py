@@ -13,8 +13,11 @@ Every request's legs stay on one version (its usage record's nodes are that vers
 
 from __future__ import annotations
 
+import os
 import secrets
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +28,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.gateway.helpers import gateway_proc, http, make_team
+from tests.gateway.helpers import ADMIN_KEY, gateway_proc, http, make_team
 from tests.procs import TINY_NODE_ARGS, Proc, running, secured_plane
 from tests.wait import wait_for
 
@@ -185,3 +188,13 @@ def test_a_healthy_version_steps_up_to_every_request(plane: Plane) -> None:
     assert shares[-3:] == [20, 50, 100], got["rollout"]["events"]
     versions = _versions(plane, [r for _, r in load.rids], since)
     assert "good" in versions and set(versions) <= {"v1", "good"}
+    # the operator's view: `duet rollout status`, through the same admin API
+    out = subprocess.run(
+        [sys.executable, "-m", "duet", "rollout", "status", "tiny", "--gateway", plane.gateway.url],
+        env={**os.environ, "DUET_ADMIN_KEY": ADMIN_KEY},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "model tiny: rollout done" in out and "v1 -> good: good at 100.0 %" in out, out

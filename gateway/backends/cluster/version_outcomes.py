@@ -37,10 +37,16 @@ class VersionOutcomes:
 
     def __init__(self) -> None:
         self._kept: dict[str, deque[tuple[float, bool, float]]] = {}
+        #: attempts and failed attempts per version since the gateway started (a timeline's
+        #: per-second counts are their differences)
+        self.totals: dict[str, list[int]] = {}
 
     def record(self, version: str, ok: bool, ttft_s: float = 0.0, now: float | None = None) -> None:
         q = self._kept.setdefault(version, deque(maxlen=MAX_KEPT))
         q.append((time.monotonic() if now is None else now, ok, ttft_s))
+        t = self.totals.setdefault(version, [0, 0])
+        t[0] += 1
+        t[1] += not ok
 
     def stats(self, version: str, window_s: float, now: float | None = None) -> WindowStats:
         """`version`'s attempts that ended within the last `window_s` seconds."""
