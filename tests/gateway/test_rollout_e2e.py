@@ -198,3 +198,20 @@ def test_a_healthy_version_steps_up_to_every_request(plane: Plane) -> None:
         check=True,
     ).stdout
     assert "model tiny: rollout done" in out and "v1 -> good: good at 100.0 %" in out, out
+
+
+def test_the_admin_api_takes_the_admin_key_and_refuses_nonsense(plane: Plane) -> None:
+    url = f"{plane.gateway.url}/admin/models/tiny/versions"
+    assert http(url, key=plane.key)[0] == 401  # a team's key is not the admin's
+    assert http(f"{plane.gateway.url}/admin/models/nope/versions")[0] == 404
+    status, _, body = http(url, "PUT", {"weights": {"v1": -1}})
+    assert status == 400 and ">= 0" in body["error"]["message"], body
+    status, _, body = http(url, "PUT", {"weights": {"v9": 1}})
+    assert status == 400 and "no version 'v9'" in body["error"]["message"], body
+    status, _, body = http(
+        f"{plane.gateway.url}/admin/models/tiny/rollout", "POST", {"action": "start"}
+    )
+    assert status == 400 and body["error"]["param"] == "to", body
+    status, _, body = http(url, "PUT", {"weights": {"v1": 3, "good": 1}})
+    assert status == 200, body
+    assert {v["name"]: v["weight"] for v in body["versions"]} == {"v1": 3, "bad": 0, "good": 1}
