@@ -12,8 +12,10 @@ max_error_rate, max_ttft_p90_ratio, min_requests) steps the new version up once 
 lasted step_interval_s with at least min_requests attempts on it in the window, and rolls it
 back to 0 % by itself when its error rate (or TTFT P90 against the old version's) crosses the
 bar. Weights and rollouts live in each gateway process, and a restart serves the configured
-weights again: with several gateways, name them all (--gateway URL,URL); each judges its own
-requests. Make a finished rollout last by writing its weights into gateway.toml.
+weights again: with several gateways, each gets the command (each judges its own requests).
+Without --gateway, the running `duet up`'s gateways are found in $DUET_HOME/up/state.json
+(each on its own port) and its admin key in $DUET_HOME/up/admin.key. Make a finished rollout
+last by writing its weights into gateway.toml.
 """
 
 from __future__ import annotations
@@ -54,14 +56,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--gateway",
-        default="http://127.0.0.1:8000",
+        default=None,
         metavar="URL[,URL]",
-        help="the gateway(s) to act on, each in turn (default http://127.0.0.1:8000)",
+        help="the gateway(s) to act on, each in turn (default: every gateway of the running "
+        "`duet up`, each on its own port)",
     )
     p.add_argument(
         "--admin-key",
         default=None,
-        help="the gateway's admin key (default: $DUET_ADMIN_KEY)",
+        help="the gateway's admin key (default: $DUET_ADMIN_KEY, else the running `duet up`'s)",
     )
     p.add_argument("--timeout-s", type=float, default=10.0, help="seconds per gateway call")
     p.add_argument("--json", action="store_true", help="print each gateway's answer as JSON")
@@ -126,12 +129,34 @@ def show(v: VersionsView) -> str:
     return "\n".join(lines)
 
 
+def _up_gateways() -> tuple[list[str], str | None]:
+    """The running `duet up`'s gateways (each process's own URL) and its admin key."""
+    from duet.up_home import UpHome, read_secret
+
+    home = UpHome.current()
+    state = home.read_state()
+    if state is None:
+        raise UsageError("no running `duet up` found ($DUET_HOME/up/state.json): pass --gateway")
+    urls = [
+        str(c["url"])
+        for c in state.get("children", [])
+        if str(c.get("name", "")).startswith("gateway") and c.get("url")
+    ]
+    if not urls:
+        raise UsageError("the running `duet up` lists no gateway: pass --gateway")
+    return urls, read_secret(home.admin_key_file)
+
+
 def _run(args: argparse.Namespace) -> int:
-    key = args.admin_key or os.environ.get("DUET_ADMIN_KEY")
+    if args.gateway is not None:
+        urls, up_key = [u for u in args.gateway.split(",") if u], None
+    else:
+        urls, up_key = _up_gateways()
+    key = args.admin_key or os.environ.get("DUET_ADMIN_KEY") or up_key
     if not key:
         raise UsageError("no admin key: set $DUET_ADMIN_KEY or pass --admin-key")
     method, path, body = _request(args)
-    for url in [u for u in args.gateway.split(",") if u]:
+    for url in urls:
         raw = _call(url, key, method, path, body, args.timeout_s)
         view = msgspec.json.decode(raw, type=VersionsView)
         if args.json:

@@ -9,8 +9,11 @@ another directory name, which is the name it is served as), the gateway.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -66,6 +69,17 @@ def test_up_serves_a_pd_model_and_a_colocated_model(tiny_llama: Path, tmp_path: 
         assert len(pd_nodes) == 2 and pd_nodes[0].startswith("prefill"), recs
         assert pd_nodes[1].startswith("decode"), recs
         assert len(both_nodes) == 1 and both_nodes[0].startswith("both"), recs
+        # `duet rollout` finds this `duet up`'s gateway and admin key by itself; the model has
+        # no versions, which the gateway says (a wrong key would be a 401)
+        got = subprocess.run(
+            [sys.executable, "-m", "duet", "rollout", "status", other.name],
+            env={**os.environ, "DUET_HOME": str(home), "DUET_ADMIN_KEY": ""},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert got.returncode == 2 and "404" in got.stderr, got
+        assert f"no model {other.name!r} with versions" in got.stderr, got
     finally:
         up.proc.send_signal(signal.SIGINT)
         up.proc.wait(120)
