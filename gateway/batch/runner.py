@@ -10,8 +10,9 @@ Invariants:
 - A line is billed once: its request id is written with its claim and kept until an outcome
   is recorded, and the executor bills under it as an idempotency key (store/base.py
   `Settlement.idempotent`), so a rerun after a crash between its usage record and its result
-  replaces the first run's record instead of adding a second. A recorded retry clears the id:
-  each recorded attempt is its own request.
+  replaces the first run's record instead of adding a second. A recorded retry keeps the id
+  too: a run cut mid-answer by the cluster's fault was billed (its prompt, what it sent), and
+  the retry's record replaces that one — a line pays for the run that gave its result.
 - Retryable failures (an exception, 408/429/5xx) go back to `pending` with exponential backoff,
   until `max_attempts`; then the last answer is the request's result. A 429
   `insufficient_quota` (spent budget) is final at once; an executor's `Defer` (rate window

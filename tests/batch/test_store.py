@@ -115,10 +115,13 @@ async def test_retry_waits_for_its_backoff_and_expiry_stops_claims(
             batch("batch_1", 0.0, window=50.0), [NewRequest(line=1, custom_id="c", body={})]
         )
         [c] = await s.claim_requests("A", 1, lease_s=10, now=1.0)
+        first = c.request_id
         assert await s.retry_request("A", "batch_1", "c", not_before=20.0, error={"code": "x"})
         assert await s.claim_requests("A", 1, lease_s=10, now=19.0) == []
         [c] = await s.claim_requests("A", 1, lease_s=10, now=20.0)
         assert c.attempts == 2
+        # the retry runs under the line's id: its usage record replaces the failed run's
+        assert first and c.request_id == first
         # A deferred request never ran: its attempt is given back.
         assert await s.retry_request(
             "A", "batch_1", "c", not_before=20.5, error={"code": "deferred"}, spent=False

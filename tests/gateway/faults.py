@@ -6,6 +6,9 @@ SIGKILLs that node at a chosen stage of a request:
 - `after_chunks`: after relaying exactly `chunks` SSE events of a stream, or before the event that
   finishes the answer if that comes first (always mid-stream).
 
+With `node_dies=False` the node lives: the first stream is cut there (the connection closed as a
+dead peer's would) and everything after it is relayed whole — a network cut, then a retry.
+
 Everything else (abort, health, metrics) is relayed as is, so the gateway treats the relay as
 the node. It runs on the test's own event loop.
 """
@@ -24,11 +27,15 @@ Mode = Literal["on_request", "after_response", "after_chunks"]
 
 
 class KillRelay:
-    def __init__(self, node: Proc, mode: Mode, chunks: int = 3) -> None:
+    def __init__(self, node: Proc, mode: Mode, chunks: int = 3, node_dies: bool = True) -> None:
         self.node = node
         self.mode = mode
         self.chunks = chunks
+        self.node_dies = node_dies
+        #: the fault happened (the node killed, or with `node_dies=False` the stream cut)
         self.killed = False
+        #: completion requests relayed (the cut one included)
+        self.completions = 0
         self.url = ""
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -54,12 +61,14 @@ class KillRelay:
     def _kill(self) -> None:
         if not self.killed:
             self.killed = True
-            self.node.kill()
+            if self.node_dies:
+                self.node.kill()
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         assert self._session is not None
         body = await request.read()
         completion = request.path == "/v1/completions"
+        self.completions += completion
         if completion and self.mode == "on_request":
             self._kill()
         headers = {
@@ -77,6 +86,7 @@ class KillRelay:
             if not (
                 completion
                 and self.mode == "after_chunks"
+                and not (self.killed and not self.node_dies)  # cut once: the rest pass
                 and upstream.status == 200
                 and upstream.headers.get("Content-Type", "").startswith("text/event-stream")
             ):

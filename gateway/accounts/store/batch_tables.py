@@ -128,8 +128,9 @@ class BatchTables(ABC):
         *,
         spent: bool = True,
     ) -> bool:
-        """Back to pending until `not_before`; `spent=False` gives the claim's attempt back
-        (the request never ran: a quota window or load shedding deferred it)."""
+        """Back to pending until `not_before`, keeping the line's request id (its usage key:
+        the retry's record replaces the failed run's); `spent=False` gives the claim's attempt
+        back (the request never ran: a quota window or load shedding deferred it)."""
 
     @abstractmethod
     async def claim_finalizable(self, worker: str, lease_s: float, now: float) -> list[str]: ...

@@ -148,7 +148,7 @@ class PostgresBatchClaims(BatchTables):
     ) -> bool:
         tag = await (await self._p()).execute(
             "UPDATE batch_requests SET state='pending', not_before=$1, error=$2, claimed_by=NULL, "
-            "lease_until=NULL, request_id=NULL, attempts=attempts-$3 WHERE batch_id=$4 "
+            "lease_until=NULL, attempts=attempts-$3 WHERE batch_id=$4 "
             "AND custom_id=$5 AND state='running' AND claimed_by=$6",
             not_before,
             rows.dumps(error),

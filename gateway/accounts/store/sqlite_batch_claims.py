@@ -159,7 +159,7 @@ class SqliteBatchClaims(BatchTables):
             return (
                 db.execute(
                     "UPDATE batch_requests SET state='pending', not_before=?, error=?, "
-                    "claimed_by=NULL, lease_until=NULL, request_id=NULL, attempts=attempts-? "
+                    "claimed_by=NULL, lease_until=NULL, attempts=attempts-? "
                     "WHERE batch_id=? AND custom_id=? AND state='running' AND claimed_by=?",
                     (not_before, rows.dumps(error), 0 if spent else 1, batch_id, custom_id, worker),
                 ).rowcount
