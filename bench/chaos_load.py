@@ -15,10 +15,11 @@ Every request ends in one `Outcome`:
 
 A connection refused or reset before any byte of the answer (the gateway it reached was
 SIGKILLed; with `duet up --gateways 2` the other one takes the port's connections) is retried
-once, as the SDKs do; a stream cut after its first byte is not (its text was delivered). Each
-request carries a tag of its own in the OpenAI `user` field, the same on its retry, so the
-gateway's usage records can be matched to it whatever became of each attempt
-(bench/chaos_usage.py), and the X-Request-Id of the attempt that was answered.
+once, as the SDKs do, under the same `Idempotency-Key` (one per request), so the gateway bills
+the request once whichever attempt it saw; a stream cut after its first byte is not retried (its
+text was delivered). Each request carries a tag of its own in the OpenAI `user` field, the same
+on its retry, so the gateway's usage records can be matched to it whatever became of each
+attempt (bench/chaos_usage.py), and the X-Request-Id of the attempt that was answered.
 
 A full answer whose text or finish reason differs from the reference is flagged
 (`differs_from_reference`). With `strict_text` it is UNDEFINED (the check that matters
@@ -35,6 +36,7 @@ import asyncio
 import enum
 import json
 import time
+import uuid
 from typing import Any
 
 import aiohttp
@@ -232,7 +234,9 @@ async def one_request(
     tag: str = "",
 ) -> Record:
     rec = Record(kind=kind, prompt=prompt, sent_s=time.monotonic() - t0, tag=tag)
-    headers = {"Authorization": f"Bearer {key}"}
+    # one key per request, the same on its retry: the gateway bills its attempts once (an
+    # attempt that died with its gateway is billed `expired` until the retry's record replaces it)
+    headers = {"Authorization": f"Bearer {key}", "Idempotency-Key": uuid.uuid4().hex}
     body = chat_body(model, prompt, max_tokens, stream=kind == "stream", tag=tag or None)
     try:
         async with asyncio.timeout(timeout):

@@ -11,7 +11,8 @@ answer's X-Request-Id, and the check is per request:
 - every full answer has exactly one record: its X-Request-Id, status `ok`, the client's
   completion tokens (`exact`);
 - no tag has more than one billed record (`billed_twice`: a retried request whose lost first
-  attempt was billed too, or a record written twice);
+  attempt was billed too — each request's attempts share an `Idempotency-Key`, so its retry's
+  record replaces the dead attempt's `expired` one — or a record written twice);
 - every record belongs to a request the client sent (`unknown`);
 - the records of requests the client got no full answer for are counted by status
   (`no_full_answer`): what a team pays for answers it did not get, by cause.

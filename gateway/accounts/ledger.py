@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import secrets
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -39,6 +40,7 @@ from gateway.accounts.store.base import (
     Settlement,
     Store,
     Team,
+    UsageKey,
     UsageRecord,
 )
 from gateway.accounts.usage import Accounting, SentLog
@@ -110,8 +112,17 @@ class Caller:
     request_id: str
     t0: float
     price_factor: float = 1.0
-    #: `request_id` is an idempotency key: a rerun under it is billed once (a batch line's)
-    idempotent: bool = False
+    #: whether `request_id` is a key the request may be billed under again — a batch line's
+    #: reruns, a client's retries under its `Idempotency-Key` — and what a second record does
+    usage_key: UsageKey = UsageKey.NONE
+
+    def leg_id(self) -> str:
+        """The id a run of this request sends its nodes: `request_id`, or — when it is a usage
+        key, under which an earlier run may still be on a node (a node refuses an id in use) —
+        that id and a suffix of the run's own. The answer and the record keep `request_id`."""
+        if self.usage_key is UsageKey.NONE:
+            return self.request_id
+        return f"{self.request_id}.{secrets.token_hex(3)}"
 
 
 @dataclass
@@ -206,7 +217,7 @@ class Ledger:
             prompt_tokens=n_prompt,
             prompt_cost_usd=cost_usd(model, n_prompt, 0) * caller.price_factor,
             completion_usd_per_mtok=model.output_usd_per_mtok * caller.price_factor,
-            idempotent=caller.idempotent,
+            idempotent=caller.usage_key is not UsageKey.NONE,
             user=order.user,
             adapter=model.adapter,
         )
@@ -306,7 +317,7 @@ class Ledger:
             self.reservation_id,
             r,
             window_tokens=None if served or prompt_only else 0,
-            idempotent=self.caller.idempotent,
+            key=self.caller.usage_key,
         )
 
     async def commit(

@@ -17,7 +17,7 @@ from typing import TypeGuard
 import msgspec
 from aiohttp import web
 
-from gateway.accounts.ledger import Caller
+from gateway.accounts.idempotency import HEADER, caller_of
 from gateway.serving.embed import Embed, Embeddings
 from gateway.serving.pipeline import run
 from gateway.serving.requests import MAX_USER
@@ -105,7 +105,7 @@ async def handle(state: GatewayState, request: web.Request, request_id: str) -> 
     call = Embed(parse_embedding(await request.read()))
     answer = await run(
         state.serving,
-        Caller(key, team, request_id, t0),
+        caller_of(key, team, request_id, t0, request.headers.get(HEADER)),
         call,
         tier_header=request.headers.get("x-duet-tier"),
     )

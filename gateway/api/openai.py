@@ -12,7 +12,7 @@ import time
 import msgspec
 from aiohttp import web
 
-from gateway.accounts.ledger import Caller
+from gateway.accounts.idempotency import HEADER, caller_of
 from gateway.config import AUTO
 from gateway.config_adapters import adapter_card, may_use
 from gateway.serving.generate import parse
@@ -35,7 +35,7 @@ async def handle(
     sink = HttpEventStream(request)
     answer = await run(
         state.serving,
-        Caller(key, team, request_id, t0),
+        caller_of(key, team, request_id, t0, request.headers.get(HEADER)),
         call,
         tier_header=request.headers.get("x-duet-tier"),
         sink=sink,

@@ -29,7 +29,7 @@ import time
 import msgspec
 from aiohttp import web
 
-from gateway.accounts.ledger import Caller
+from gateway.accounts.idempotency import HEADER, caller_of
 from gateway.api.generate_stream import GenerateSink
 from gateway.serving.generate import Generate, parse
 from gateway.serving.measure import tool_plan
@@ -75,9 +75,11 @@ async def generate(
     key, team = await state.auth.authenticate(request)
     body = _generate_body(await request.read())
     http = HttpEventStream(request)
+    caller = caller_of(key, team, request_id, t0, request.headers.get(HEADER))
+    request_id = caller.request_id
     answer = await run(
         state.serving,
-        Caller(key, team, request_id, t0),
+        caller,
         Generate(_as_completion(body)),
         tier_header=request.headers.get("x-duet-tier"),
         sink=GenerateSink(http, body.request_id or request_id, bool(body.return_token_ids)),

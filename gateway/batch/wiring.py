@@ -40,7 +40,7 @@ import msgspec
 from aiohttp import web
 
 from gateway.accounts.ledger import Caller, RateLimited
-from gateway.accounts.store.base import ApiKey, Store
+from gateway.accounts.store.base import ApiKey, Store, UsageKey
 from gateway.accounts.store.batch_tables import BatchTables
 from gateway.accounts.store.private_files import private_dir
 from gateway.accounts.team_gate import TeamLimited
@@ -124,15 +124,16 @@ class GatewayExecutor:
                 code="team_deleted",
             )
             return err.status, msgspec.to_builtins(err.body())
-        # idempotent: the runner reruns a line under the same id when its gateway died between
-        # billing it and recording its result — billed once (store/base.py UsageRecord.idempotent)
+        # a usage key: the runner reruns a line under the same id when its gateway died between
+        # billing it and recording its result, and when it retries it — billed once, for the
+        # run that gave its result (store/usage_keys.py)
         caller = Caller(
             ApiKey(id="batch", team_id=team_id, name="batch"),
             team,
             request_id,
             time.monotonic(),
             self.price_factor,
-            idempotent=True,
+            usage_key=UsageKey.RERUN,
         )
         try:
             call = parse(_ENDPOINTS[endpoint], _ENC.encode(body))

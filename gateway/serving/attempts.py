@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import Callable
 
@@ -99,16 +98,14 @@ class Tries:
     async def _attempt(
         self, served: ServedModel, size: Measured, sink: EventSink | None, origin: str, n: int
     ) -> Answer:
-        serving, rid = self.serving, self.ledger.record.request_id
+        serving = self.serving
         self.ledger.attempt(served.config, len(size.ids))
         self.reply = self.relay = None
         self.tools = size.tools
-        # A batch line runs under one id however often it runs (its usage key: billed once); a
-        # rerun may reach a node still holding the dead run's request of that id, and a node
-        # refuses an id in use, so each run's legs get their own. The answer keeps `rid`.
-        leg_rid = f"{rid}.{secrets.token_hex(3)}" if self.ledger.caller.idempotent else rid
+        # A batch line, or a client's request under an Idempotency-Key, runs under one id however
+        # often it runs (its usage key: billed once); each run's legs get their own (Caller.leg_id)
         attempt = Attempt(
-            request_id=leg_rid,
+            request_id=self.ledger.caller.leg_id(),
             model=served.config,
             prompt_ids=size.ids,
             max_tokens=size.max_tokens,

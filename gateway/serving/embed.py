@@ -160,7 +160,7 @@ class EmbedAttempts:
         self.ledger.attempt(served.config, size.n_prompt)
         embedder = served.embedder()
         attempt = EmbeddingAttempt(
-            request_id=self.a.caller.request_id,
+            request_id=self.a.caller.leg_id(),
             model=served.config,
             inputs=size.inputs,
             dimensions=req.dimensions,

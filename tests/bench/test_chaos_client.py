@@ -1,9 +1,9 @@
 """The chaos client against a real HTTP server standing in for a gateway that is SIGKILLed:
 a connection reset before any byte of the answer is sent again once (with the same `user`
-tag), a stream cut after its first bytes is not (its text was delivered), and the usage check
-matches the gateway's records to the client's requests one by one — a full answer billed once,
-a retried request billed twice, records of answers the client never got — where the totals
-alone were off by one or two either way."""
+tag and `Idempotency-Key`), a stream cut after its first bytes is not (its text was
+delivered), and the usage check matches the gateway's records to the client's requests one by
+one — a full answer billed once, a retried request billed twice, records of answers the client
+never got — where the totals alone were off by one or two either way."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ async def gateway(resets: int, cut_stream: bool = False) -> AsyncIterator[tuple[
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        seen.append(body)
+        seen.append({**body, "idempotency_key": request.headers.get("Idempotency-Key")})
         if len(seen) <= resets:
             _reset(request)
             await asyncio.sleep(1)
@@ -98,6 +98,13 @@ def test_a_reset_before_the_answer_is_sent_again_once_with_its_tag() -> None:
                 and rec.request_id == "req-2"
             )
             assert [b["user"] for b in seen] == ["chaos-plain-0-7"] * 2  # the same tag on the retry
+            # and the same Idempotency-Key: the gateway bills the two attempts once
+            assert seen[0]["idempotency_key"] and len({b["idempotency_key"] for b in seen}) == 1
+            again = await _ask(url, "plain")  # another request: another key
+            assert again.outcome == Outcome.FULL and seen[2]["idempotency_key"] not in (
+                seen[0]["idempotency_key"],
+                None,
+            )
         async with gateway(resets=2) as (url, seen):  # once only: a second reset is the answer
             rec = await _ask(url, "stream")
             assert (

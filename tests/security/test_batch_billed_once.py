@@ -36,6 +36,7 @@ from gateway.accounts.store.base import (
     Settlement,
     Store,
     Team,
+    UsageKey,
     UsageRecord,
 )
 from tests.batch.conftest import jsonl
@@ -132,10 +133,10 @@ async def _room(s: Store, cost: float) -> bool:
 
 async def test_a_rerun_replaces_the_first_runs_record(store: Store) -> None:
     first = await _book(store, "batch-line-1")
-    await store.settle([Settlement(first, _record("batch-line-1", 0.5), idempotent=True)])
+    await store.settle([Settlement(first, _record("batch-line-1", 0.5), key=UsageKey.RERUN)])
     # the gateway died before the result was recorded; the line runs again under its key
     again = await _book(store, "batch-line-1")
-    await store.settle([Settlement(again, _record("batch-line-1", 0.6), idempotent=True)])
+    await store.settle([Settlement(again, _record("batch-line-1", 0.6), key=UsageKey.RERUN)])
     assert await _billed(store) == [("batch-line-1", "ok", 0.6)]
     assert await _room(store, 0.35)  # spent 0.6, not 1.1
     assert not await _room(store, 0.45)
@@ -154,7 +155,7 @@ async def test_a_dead_runs_booking_is_billed_until_the_rerun_settles(store: Stor
     )  # its prompt is billed: the run may have computed it
     assert await _billed(store) == [("batch-line-2", "expired", 0.1)]
     rerun = await _book(store, "batch-line-2")
-    await store.settle([Settlement(rerun, _record("batch-line-2", 0.3), idempotent=True)])
+    await store.settle([Settlement(rerun, _record("batch-line-2", 0.3), key=UsageKey.RERUN)])
     assert await _billed(store) == [("batch-line-2", "ok", 0.3)]
     assert await _room(store, 0.65) and not await _room(store, 0.75)
 
@@ -162,7 +163,7 @@ async def test_a_dead_runs_booking_is_billed_until_the_rerun_settles(store: Stor
 async def test_an_expired_booking_never_replaces_the_reruns_record(store: Store) -> None:
     await _book(store, "batch-line-3", gateway="gw-dead")  # the dead run, not yet reclaimed
     rerun = await _book(store, "batch-line-3")
-    await store.settle([Settlement(rerun, _record("batch-line-3", 0.3), idempotent=True)])
+    await store.settle([Settlement(rerun, _record("batch-line-3", 0.3), key=UsageKey.RERUN)])
     await store.heartbeat("gw-dead", 60, now=time.time() - 100)
     assert await store.reclaim(dead_after_s=10) == 1
     assert await _billed(store) == [("batch-line-3", "ok", 0.3)]
@@ -175,8 +176,8 @@ async def test_runs_settled_together_or_at_once_leave_one_record(
     # both runs in one usage batch (one transaction)
     await store.settle(
         [
-            Settlement(None, _record("batch-line-4", 0.2), idempotent=True),
-            Settlement(None, _record("batch-line-4", 0.3), idempotent=True),
+            Settlement(None, _record("batch-line-4", 0.2), key=UsageKey.RERUN),
+            Settlement(None, _record("batch-line-4", 0.3), key=UsageKey.RERUN),
         ]
     )
     assert await _billed(store) == [("batch-line-4", "ok", 0.3)]
@@ -186,7 +187,7 @@ async def test_runs_settled_together_or_at_once_leave_one_record(
     try:
         await asyncio.gather(
             *(
-                s.settle([Settlement(None, _record("batch-line-5", 0.1), idempotent=True)])
+                s.settle([Settlement(None, _record("batch-line-5", 0.1), key=UsageKey.RERUN)])
                 for s in (store, other, store, other)
             )
         )

@@ -20,6 +20,7 @@ import time
 from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Literal
 
 import msgspec
@@ -31,6 +32,22 @@ WINDOW_S = 60.0
 #: `user`, `adapter`, `version`
 GROUP_BY = ("model", "day", "team", "tier", "user", "adapter", "version")
 LimitKind = Literal["requests", "tokens", "concurrency", "daily_budget", "monthly_budget"]
+
+
+class UsageKey(StrEnum):
+    """Whether a usage record's `request_id` is a key the same request may be billed under
+    again, and what a second record under it does (usage_keys.py decides, in both stores)."""
+
+    #: a request id of its own: the record is written as it is
+    NONE = "none"
+    #: the same work reruns under the id (a batch line after a crash or a recorded retry): the
+    #: last settled record replaces the key's earlier one, whatever that was
+    RERUN = "rerun"
+    #: a client's retry under its `Idempotency-Key` (the id is derived from its team and the
+    #: key): the record replaces the key's earlier one only if that was `expired` — its attempt
+    #: died with its gateway — within `usage_keys.WINDOW_S`; else it is billed beside it (a key
+    #: whose request was answered is no free pass)
+    RETRY = "retry"
 
 
 class Team(msgspec.Struct, kw_only=True, frozen=True):
@@ -89,7 +106,7 @@ class Booked:
     #: USD per million completion tokens, the caller's price factor applied: the store prices
     #: the streamed tokens without the config (0 in a booking an older version wrote)
     completion_usd_per_mtok: float = 0.0
-    #: the request id is an idempotency key (`Settlement.idempotent`)
+    #: the request id is a usage key (`Settlement.key` is not NONE)
     idempotent: bool = False
     #: the request's OpenAI `user` field, kept on the `expired` record like on any other (spend
     #: per end user; a client matches its records by it)
@@ -184,11 +201,11 @@ class Settlement:
     #: tokens the request keeps in the team's TPM window (None: prompt + completion); a
     #: request no node ever served keeps none
     window_tokens: int | None = None
-    #: the record's `request_id` is an idempotency key: the same work may run again under it (a
-    #: batch line whose gateway died between billing it and recording its result), and the
-    #: store keeps one record per key — a later settled record replaces the earlier one (whose
-    #: spend is taken back), an expired booking's record never replaces one (`usage_keys`)
-    idempotent: bool = False
+    #: whether the record's `request_id` is a key the request may be billed under again (a
+    #: batch line's rerun, a client's retry): the store keeps the key's billed record in
+    #: `usage_keys`, a later settled record replaces it as `UsageKey` says (its spend taken
+    #: back), and an expired booking's record never replaces one
+    key: UsageKey = UsageKey.NONE
 
     @property
     def tokens(self) -> int:

@@ -33,18 +33,21 @@ from gateway.accounts.store.postgres_quota import (
     DAY_SQL,
     GATEWAYS,
     SCHEMA,
-    USAGE_COLS,
     USAGE_KEYS,
-    USAGE_SQL,
     add_columns,
     expire_where,
     reserve_in,
     settle_booking,
+)
+from gateway.accounts.store.postgres_teams import PostgresTeams
+from gateway.accounts.store.postgres_usage import (
+    USAGE_COLS,
+    USAGE_SQL,
     usage_record_of,
     write_usage,
 )
-from gateway.accounts.store.postgres_teams import PostgresTeams
 from gateway.accounts.store.team_ids import POSTGRES as TOMBSTONES
+from gateway.accounts.store.usage_keys import mode_of
 from gateway.accounts.store.usage_totals import group_keys, outliers_sql, totals_row, totals_sql
 
 
@@ -131,7 +134,7 @@ class PostgresStore(PostgresTeams, PostgresBatchTables, Store):
             for s in batch:
                 b = await settle_booking(con, s, now)
                 if b is not Booking.RECORDED:
-                    keyed.append((s.record, s.idempotent or b is Booking.GONE))
+                    keyed.append((s.record, mode_of(s.key, b is Booking.GONE)))
             await write_usage(con, keyed, now)
 
     async def expire_reservations(self, now: float | None = None) -> int:

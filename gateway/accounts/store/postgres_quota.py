@@ -6,7 +6,6 @@ run by postgres.py's `PostgresStore`.
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
@@ -19,15 +18,15 @@ from gateway.accounts.store.base import (
     Settlement,
     StoreError,
     Team,
-    UsageRecord,
+    UsageKey,
 )
 from gateway.accounts.store.expiry import (
-    EXPIRED,
     Booking,
     booked_from,
     booked_json,
     expired_record,
 )
+from gateway.accounts.store.postgres_usage import write_usage
 from gateway.accounts.store.rules import Counters, day_period, decide, month_period, window_start
 
 SCHEMA = """
@@ -71,7 +70,7 @@ GATEWAYS = (
     "CREATE TABLE IF NOT EXISTS gateways (id TEXT PRIMARY KEY, heartbeat_at DOUBLE PRECISION NOT "
     "NULL)"
 )
-#: the idempotency keys of usage records (base.UsageRecord.idempotent)
+#: the usage keys of usage records (base.Settlement.key, usage_keys.py)
 USAGE_KEYS = (
     "CREATE TABLE IF NOT EXISTS usage_keys (request_id TEXT PRIMARY KEY, team_id TEXT NOT NULL, "
     "cost_usd DOUBLE PRECISION NOT NULL, created_at DOUBLE PRECISION NOT NULL, "
@@ -91,46 +90,7 @@ ADDED_COLUMNS = [
 ]
 
 KEY_COLS = "id, team_id, name, prefix, created_at, revoked_at"
-USAGE_COLS = (
-    "request_id",
-    "team_id",
-    "key_id",
-    "model_requested",
-    "model_used",
-    "tier",
-    "status",
-    "endpoint",
-    "prompt_tokens",
-    "completion_tokens",
-    "cached_tokens",
-    "cost_usd",
-    "ttft_s",
-    "latency_s",
-    "nodes",
-    "created_at",
-    "user",
-    "migrations",
-    "leg_tokens",
-    "queue_s",
-    "adapter",
-    "version",
-)
-#: list columns stored as JSON text
-JSON_COLS = ("nodes", "leg_tokens")
-# quoted: `user` is a reserved word in PostgreSQL (unquoted it means CURRENT_USER)
-USAGE_SQL = ", ".join(f'"{c}"' for c in USAGE_COLS)
 DAY_SQL = "to_char(to_timestamp(created_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
-
-
-def usage_record_of(r: Any) -> UsageRecord:
-    return UsageRecord(
-        **{
-            **dict(r),
-            "nodes": json.loads(r["nodes"]),
-            "migrations": r["migrations"] or 0,
-            "leg_tokens": json.loads(r["leg_tokens"] or "[]"),
-        }
-    )
 
 
 def team_of(r: Any) -> Team:
@@ -188,92 +148,9 @@ async def expire_where(con: Any, now: float, where: str, *args: Any) -> int:
         await bucket(con, r["team_id"], int(r["created_at"]), 0, billed - r["tokens"])
         if record is not None:
             # keyed by its request id, always: if the request still settles (its gateway was
-            # alive after all), its real record replaces this one (`take_key`)
-            await write_usage(con, [(record, True)], now)
+            # alive after all), its real record replaces this one (usage_keys.py)
+            await write_usage(con, [(record, UsageKey.RERUN)], now)
     return len(rows)
-
-
-async def take_key(con: Any, r: UsageRecord, now: float) -> bool:
-    """`r`'s key is billed once (base.Settlement.idempotent): True to write `r` — its key is
-    new, or `r` replaces the key's earlier record (that record and its spend are taken back
-    here). The key's row lock orders two gateways settling one key: the second waits for the
-    first's commit, then replaces its record."""
-    if await con.fetchval(
-        "INSERT INTO usage_keys (request_id, team_id, cost_usd, created_at, billed_at) "
-        "VALUES ($1,$2,$3,$4,$5) ON CONFLICT (request_id) DO NOTHING RETURNING 1",
-        r.request_id,
-        r.team_id,
-        r.cost_usd,
-        r.created_at,
-        now,
-    ):
-        return True
-    if r.status == EXPIRED:  # a dead run's booking: the key is billed already
-        return False
-    old = await con.fetchrow(
-        "SELECT team_id, cost_usd, created_at, billed_at FROM usage_keys WHERE request_id=$1 "
-        "FOR UPDATE",
-        r.request_id,
-    )
-    # (team_id, created_at) is the usage table's index: no scan for the old record
-    await con.execute(
-        "DELETE FROM usage WHERE team_id=$1 AND created_at=$2 AND request_id=$3",
-        old["team_id"],
-        old["created_at"],
-        r.request_id,
-    )
-    if old["cost_usd"] > 0:
-        await con.execute(
-            "UPDATE spend SET cost_usd = cost_usd - $1 WHERE team_id=$2 "
-            "AND period = ANY($3::text[])",
-            old["cost_usd"],
-            old["team_id"],
-            [day_period(old["billed_at"]), month_period(old["billed_at"])],
-        )
-    await con.execute(
-        "UPDATE usage_keys SET team_id=$2, cost_usd=$3, created_at=$4, billed_at=$5 "
-        "WHERE request_id=$1",
-        r.request_id,
-        r.team_id,
-        r.cost_usd,
-        r.created_at,
-        now,
-    )
-    return True
-
-
-async def write_usage(con: Any, keyed: list[tuple[UsageRecord, bool]], now: float) -> None:
-    """Write each record; one flagged `True` has an idempotency key (base.Settlement.idempotent)
-    and is written at once after its key is taken, so a second record of the same key in this
-    batch finds — and replaces — the first."""
-    plain = [r for r, once in keyed if not once]
-    for r, once in keyed:
-        if once and await take_key(con, r, now):
-            await insert_usage(con, [r], now)
-    if plain:
-        await insert_usage(con, plain, now)
-
-
-async def insert_usage(con: Any, records: list[UsageRecord], now: float) -> None:
-    for r in records:
-        if r.cost_usd > 0:
-            for period in (day_period(now), month_period(now)):
-                await con.execute(
-                    "INSERT INTO spend (team_id, period, cost_usd) VALUES ($1,$2,$3) "
-                    "ON CONFLICT (team_id, period) DO UPDATE SET cost_usd = spend.cost_usd + "
-                    "excluded.cost_usd",
-                    r.team_id,
-                    period,
-                    r.cost_usd,
-                )
-    await con.executemany(
-        f"INSERT INTO usage ({USAGE_SQL}) VALUES "
-        f"({', '.join(f'${i + 1}' for i in range(len(USAGE_COLS)))})",
-        [
-            [json.dumps(getattr(r, c)) if c in JSON_COLS else getattr(r, c) for c in USAGE_COLS]
-            for r in records
-        ],
-    )
 
 
 async def settle_booking(con: Any, s: Settlement, now: float) -> Booking:

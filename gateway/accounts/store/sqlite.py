@@ -37,16 +37,15 @@ from gateway.accounts.store.sqlite_conn import Connections, Immediate
 from gateway.accounts.store.sqlite_quota import (
     FAST_BATCH,
     KEY_COLS,
-    USAGE_COLS,
     expire_where,
     init_tables,
     key_of,
-    record_of,
     reserve_in,
     settler,
     team_fields,
     team_of,
 )
+from gateway.accounts.store.sqlite_usage import USAGE_COLS, record_of
 from gateway.accounts.store.team_ids import SQLITE as TOMBSTONES
 from gateway.accounts.store.team_ids import reused
 from gateway.accounts.store.usage_totals import group_keys, outliers_sql, totals_row, totals_sql

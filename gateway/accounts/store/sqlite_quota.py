@@ -6,7 +6,6 @@ a connection, run by sqlite.py's `SqliteStore` on the loop's fast path or the wo
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import time
 import uuid
@@ -22,10 +21,9 @@ from gateway.accounts.store.base import (
     Settlement,
     StoreError,
     Team,
-    UsageRecord,
+    UsageKey,
 )
 from gateway.accounts.store.expiry import (
-    EXPIRED,
     Booking,
     booked_from,
     booked_json,
@@ -33,6 +31,8 @@ from gateway.accounts.store.expiry import (
 )
 from gateway.accounts.store.rules import Counters, day_period, decide, month_period, window_start
 from gateway.accounts.store.sqlite_conn import Immediate
+from gateway.accounts.store.sqlite_usage import write_usage
+from gateway.accounts.store.usage_keys import mode_of
 
 #: usage batches up to this many records commit on the event loop's fast path
 FAST_BATCH = 8
@@ -88,30 +88,6 @@ ADDED_COLUMNS = [
 ]
 
 KEY_COLS = "id, team_id, name, prefix, created_at, revoked_at"
-USAGE_COLS = (
-    "request_id",
-    "team_id",
-    "key_id",
-    "model_requested",
-    "model_used",
-    "tier",
-    "status",
-    "endpoint",
-    "prompt_tokens",
-    "completion_tokens",
-    "cached_tokens",
-    "cost_usd",
-    "ttft_s",
-    "latency_s",
-    "nodes",
-    "created_at",
-    "user",
-    "migrations",
-    "leg_tokens",
-    "queue_s",
-    "adapter",
-    "version",
-)
 
 
 def team_of(row: tuple[Any, ...]) -> Team:
@@ -133,14 +109,6 @@ def key_of(row: tuple[Any, ...]) -> ApiKey:
     )
 
 
-def record_of(row: tuple[Any, ...]) -> UsageRecord:
-    d = dict(zip(USAGE_COLS, row, strict=True))
-    d["nodes"] = json.loads(d["nodes"])
-    d["migrations"] = d["migrations"] or 0  # NULL: a record from before stream migration
-    d["leg_tokens"] = json.loads(d["leg_tokens"] or "[]")
-    return UsageRecord(**d)
-
-
 def init_tables(db: sqlite3.Connection) -> None:
     db.executescript(SCHEMA)
     _add_columns(db)
@@ -150,18 +118,11 @@ def init_tables(db: sqlite3.Connection) -> None:
     db.execute("DROP INDEX IF EXISTS reservations_team_expiry")
 
 
-_INSERT_USAGE = (
-    f"INSERT INTO usage ({', '.join(USAGE_COLS)}) VALUES ({', '.join('?' * len(USAGE_COLS))})"
-)
-_NODES = USAGE_COLS.index("nodes")
-_LEG_TOKENS = USAGE_COLS.index("leg_tokens")
-
-
 def settler(batch: list[Settlement]) -> Callable[[sqlite3.Connection], None]:
     """The transaction that settles `batch` and writes its usage records (safe to run twice:
     it commits once or not at all). A booking that expired before its settlement (its gateway
     looked dead, or it outlived its TTL unrenewed) was billed `expired`, under its request id as
-    a key: its real record replaces that one, it is never billed beside it."""
+    a key: its real record replaces that one (usage_keys.py)."""
 
     def q(db: sqlite3.Connection) -> None:
         now = time.time()
@@ -169,7 +130,7 @@ def settler(batch: list[Settlement]) -> Callable[[sqlite3.Connection], None]:
             for s in batch:
                 b = _settle_booking(db, s, now)
                 if b is not Booking.RECORDED:
-                    _write_usage(db, s.record, now, s.idempotent or b is Booking.GONE)
+                    write_usage(db, s.record, now, mode_of(s.key, b is Booking.GONE))
 
     return q
 
@@ -314,56 +275,9 @@ def expire_where(
         )
         if record is not None:
             # keyed by its request id, always: if the request still settles (its gateway was
-            # alive after all), its real record replaces this one (`_take_key`)
-            _write_usage(db, record, now, once=True)
+            # alive after all), its real record replaces this one (usage_keys.py)
+            write_usage(db, record, now, UsageKey.RERUN)
     return len(rows)
-
-
-def _write_usage(db: sqlite3.Connection, r: UsageRecord, now: float, once: bool = False) -> None:
-    """`once`: r's request id is an idempotency key (base.Settlement.idempotent)."""
-    if once and not _take_key(db, r, now):
-        return
-    if r.cost_usd > 0:  # the day's and the month's spend, in one statement
-        db.execute(
-            "INSERT INTO spend (team_id, period, cost_usd) VALUES (?1,?2,?4), (?1,?3,?4) "
-            "ON CONFLICT (team_id, period) DO UPDATE SET cost_usd = cost_usd + excluded.cost_usd",
-            (r.team_id, day_period(now), month_period(now), r.cost_usd),
-        )
-    values = [getattr(r, c) for c in USAGE_COLS]
-    values[_NODES] = json.dumps(r.nodes)
-    values[_LEG_TOKENS] = json.dumps(r.leg_tokens)
-    db.execute(_INSERT_USAGE, values)
-
-
-def _take_key(db: sqlite3.Connection, r: UsageRecord, now: float) -> bool:
-    """`r`'s key is billed once (base.Settlement.idempotent): True to write `r` — its key is
-    new, or `r` replaces the key's earlier record (that record and its spend are taken back
-    here, under the write lock the caller's transaction holds)."""
-    old = db.execute(
-        "SELECT team_id, cost_usd, created_at, billed_at FROM usage_keys WHERE request_id=?",
-        (r.request_id,),
-    ).fetchone()
-    if old is not None and r.status == EXPIRED:  # a dead run's booking: the key is billed already
-        return False
-    if old is not None:
-        team_id, cost, created, billed = old
-        # (team_id, created_at) is the usage table's index: no scan for the old record
-        db.execute(
-            "DELETE FROM usage WHERE team_id=? AND created_at=? AND request_id=?",
-            (team_id, created, r.request_id),
-        )
-        if cost > 0:
-            db.execute(
-                "UPDATE spend SET cost_usd = cost_usd - ? WHERE team_id=? AND period IN (?, ?)",
-                (cost, team_id, day_period(billed), month_period(billed)),
-            )
-    db.execute(
-        "INSERT INTO usage_keys (request_id, team_id, cost_usd, created_at, billed_at) "
-        "VALUES (?,?,?,?,?) ON CONFLICT (request_id) DO UPDATE SET team_id=excluded.team_id, "
-        "cost_usd=excluded.cost_usd, created_at=excluded.created_at, billed_at=excluded.billed_at",
-        (r.request_id, r.team_id, r.cost_usd, r.created_at, now),
-    )
-    return True
 
 
 def _settle_booking(db: sqlite3.Connection, s: Settlement, now: float) -> Booking:

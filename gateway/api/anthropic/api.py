@@ -44,8 +44,8 @@ import msgspec
 from aiohttp import web
 
 from gateway.accounts.auth import bearer
+from gateway.accounts.idempotency import HEADER, caller_of
 from gateway.accounts.key_cache import Found
-from gateway.accounts.ledger import Caller
 from gateway.api.anthropic.convert import to_chat, to_message
 from gateway.api.anthropic.stream import MessageStream
 from gateway.api.anthropic.surface import check_headers, refuse_images, refuse_thinking
@@ -76,6 +76,8 @@ async def handle(state: GatewayState, request: web.Request, request_id: str) -> 
         raw = await read_body(state, request)
         body = parse(raw)
         refuse_thinking(body, _config(state, body.model))
+        caller = caller_of(api_key, team, request_id, t0, request.headers.get(HEADER))
+        request_id = caller.request_id
         msg_id = "msg_" + request_id.removeprefix("req-")
         call = Translated(
             request,
@@ -84,7 +86,7 @@ async def handle(state: GatewayState, request: web.Request, request_id: str) -> 
         )
         return await call.run(
             state,
-            Caller(api_key, team, request_id, t0),
+            caller,
             to_chat(body),
             body.model,
             lambda answer, model: to_message(answer, msg_id, model),

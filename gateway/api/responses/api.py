@@ -31,7 +31,7 @@ import time
 import msgspec
 from aiohttp import web
 
-from gateway.accounts.ledger import Caller
+from gateway.accounts.idempotency import HEADER, caller_of
 from gateway.api.responses.convert import to_chat, to_response
 from gateway.api.responses.stream import ResponseStream
 from gateway.api.responses.wire import (
@@ -50,11 +50,12 @@ async def handle(state: GatewayState, request: web.Request, request_id: str) -> 
     t0 = time.monotonic()
     key, team = await state.auth.authenticate(request)
     body = parse(await request.read())
-    rid = request_id.removeprefix("req-")
+    caller = caller_of(key, team, request_id, t0, request.headers.get(HEADER))
+    rid = caller.request_id.removeprefix("req-")
     call = Translated(request, ResponseStream(rid, body) if body.stream else None)
     return await call.run(
         state,
-        Caller(key, team, request_id, t0),
+        caller,
         to_chat(body),
         body.model,
         lambda answer, model: to_response(answer, rid, body, model),
