@@ -8,8 +8,8 @@ Invariants:
   resumes after a restart or on another gateway, and the store's claim check means one result
   per custom_id, whoever ran it.
 - A line is billed once: its request id is written with its claim and kept until an outcome
-  is recorded, and the executor bills under it as an idempotency key (store/base.py
-  `Settlement.idempotent`), so a rerun after a crash between its usage record and its result
+  is recorded, and the executor bills under it as a usage key (store/base.py `Settlement.key`,
+  `UsageKey.RERUN`), so a rerun after a crash between its usage record and its result
   replaces the first run's record instead of adding a second. A recorded retry keeps the id
   too: a run cut mid-answer by the cluster's fault was billed (its prompt, what it sent), and
   the retry's record replaces that one — a line pays for the run that gave its result.

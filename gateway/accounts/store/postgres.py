@@ -129,7 +129,7 @@ class PostgresStore(PostgresTeams, PostgresBatchTables, Store):
         )  # one lock order for every gateway
         async with self.pool.acquire() as con, con.transaction():
             # a booking gone before its settlement was billed `expired` under its request id:
-            # the real record replaces that one (take_key), never joins it
+            # the real record replaces that one (usage_keys.py), never joins it
             keyed = []
             for s in batch:
                 b = await settle_booking(con, s, now)
