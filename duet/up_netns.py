@@ -4,7 +4,8 @@ gateways share one, so they share their port), joined by veth links to one bridg
 in. Each process listens on its namespace's address and registers that address, so every call
 between two processes crosses their links; the nodes' KV transport is told to use TCP over
 `eth0` (within one machine UCX would otherwise copy through shared memory or cma, which no
-network fault reaches).
+network fault reaches), and states that KV network isolated (`--kv-network-isolated`): the
+bridge exists on this machine only.
 
 Invariants: the namespaces exist before the first process starts and are removed when `duet up`
 returns, pass or fail (`Netns.close`); the caller that chose PREFIX removes them again if
@@ -57,6 +58,9 @@ class Netns:
         c.netns = m.ns
         if ucx:
             c.env = {**(c.env or os.environ), **UCX_OVER_ETH0}
+            # The bridge is this machine's alone (its namespaces and the root one): as isolated
+            # as loopback, so NIXL may cross it (node/kv_network.py)
+            c.args = [*c.args, "--kv-network-isolated"]
         return c
 
     def state(self) -> dict[str, object] | None:

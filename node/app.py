@@ -191,6 +191,16 @@ async def _kv_metadata(request: web.Request) -> web.Response:
     if transport is None:
         raise APIError(404, "this node has no KV transport")
     from kvtransfer import METADATA_CONTENT_TYPE
+    from node import kv_network
+
+    # the metadata carries the pool's memory keys: a NIXL reader off this host needs the
+    # operator's word that the KV network is isolated
+    isolated = request.app[STATE].config.kv_network_isolated
+    remote = request.remote or "127.0.0.1"  # none: a unix socket, on this host
+    why = kv_network.refusal(remote, isolated, transport.backend, "hand KV to")
+    if why is not None:
+        log.warning("GET /kv/metadata: %s", why)
+        raise APIError(403, why, code=kv_network.CODE)
 
     return web.Response(body=transport.metadata_bytes(), content_type=METADATA_CONTENT_TYPE)
 
@@ -300,7 +310,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             s.transport,
             s.session,
             s.config.transfer_timeout_s,
-            PeerPolicy(s.config.peer_networks()),
+            PeerPolicy(s.config.peer_networks(), kv_network_isolated=s.config.kv_network_isolated),
             s.config.security.scheme,
         )
     for hook in s.roles.on_start:

@@ -89,6 +89,13 @@ class NodeConfig:
     #: registered prefill nodes are contacted. The default is loopback and the private ranges
     #: (RFC 1918, IPv6 ULA): never public or link-local (cloud metadata) addresses
     allowed_peers: str = field(default=DEFAULT_ALLOWED_PEERS, metadata={"metavar": "CIDRS"})
+    #: nixl: the operator's statement that only the cluster's nodes reach the KV network (a
+    #: dedicated RDMA fabric or VLAN, an InfiniBand partition, a NetworkPolicy). NIXL reads are
+    #: one-sided UCX reads, unauthenticated and unencrypted: whoever reaches a node's UCX worker
+    #: with its memory keys reads every team's KV. Without this, a nixl node exchanges KV with
+    #: nodes on its own host only and refuses (403) peers on other hosts, both ways; tcp and ucx
+    #: need no statement (their handshake proves the cluster secret)
+    kv_network_isolated: bool = False
     #: seconds in-flight requests get to finish after SIGTERM
     grace_period_s: float = 30.0
     #: pin this process to these CPUs, e.g. 0-3,8

@@ -17,7 +17,8 @@ address to connect to (so a name cannot resolve elsewhere between the check and 
 Otherwise a "prefill" inside the allowed networks could point the decode node's transport at any
 address, and the bytes read there would enter its prefix cache, poisoning it for every team.
 NIXL's agent metadata is opaque (UCX worker addresses): for it, cluster membership is the check
-(decode.leg, `Node.members`).
+(decode.leg, `Node.members`), and a nixl peer off this host is refused unless the operator
+stated the KV network isolated (`nixl_refusal`, node/kv_network.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import asyncio
 import ipaddress
 import socket
 from collections import OrderedDict
+
+from node import kv_network
 
 #: engine ids remembered (least recently used forgotten first)
 MAX_PINNED = 4096
@@ -39,8 +42,14 @@ class PeerRefused(Exception):
 
 
 class PeerPolicy:
-    def __init__(self, networks: tuple[Network, ...], max_pinned: int = MAX_PINNED) -> None:
+    def __init__(
+        self,
+        networks: tuple[Network, ...],
+        max_pinned: int = MAX_PINNED,
+        kv_network_isolated: bool = False,
+    ) -> None:
         self.networks = networks
+        self.kv_network_isolated = kv_network_isolated
         self._max = max_pinned
         self._pinned: OrderedDict[str, tuple[str, int]] = OrderedDict()
 
@@ -81,6 +90,11 @@ class PeerPolicy:
                     f"({', '.join(named)})"
                 )
         return addrs[0]
+
+    def nixl_refusal(self, host: str) -> str | None:
+        """Why reading KV over NIXL from the peer at IP address `host` is refused (None: it is
+        on this host, or the operator stated the KV network isolated)."""
+        return kv_network.refusal(host, self.kv_network_isolated, "nixl", "read KV from")
 
     def pin(self, engine_id: str, host: str, port: int) -> None:
         """`engine_id` answered at host:port: from now on it is only reached there."""

@@ -7,10 +7,11 @@ concurrent first contacts share one fetch. A metadata answer for a different eng
 the caller named an engine that is not at that address, and a transport address (tcp, ucx)
 outside the allowed networks or not on the host the leg named is refused before the transport
 connects (PeerPolicy.transport_address): the transport then connects to the checked IP address,
-never to the peer's name for it. Every contact goes through the PeerPolicy first (node.peers);
-the cache is bounded (least recently used dropped first). One per node with a transport
-(`Node.remote_kv`): the decode role reads its prefill node's blocks through it, and every role
-the blocks a peer shares (node/kv_pull.py).
+never to the peer's name for it. A nixl peer off this host is refused too, unless the KV
+network is stated isolated (PeerPolicy.nixl_refusal, node/kv_network.py). Every contact goes
+through the PeerPolicy first (node.peers); the cache is bounded (least recently used dropped
+first). One per node with a transport (`Node.remote_kv`): the decode role reads its prefill
+node's blocks through it, and every role the blocks a peer shares (node/kv_pull.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import aiohttp
 import msgspec
 
 from kvtransfer import Peer, Transport
+from node import kv_network
 from node.engine_api import NodeEngine
 from node.peers import PeerPolicy, PeerRefused
 from protocol.node_api import KVReleaseRequest, KVShareAnswer, KVShareRelease, KVShareRequest
@@ -99,6 +101,9 @@ class RemoteKV:
                 f"{meta.engine_id!r}",
                 param="kv_transfer_params",
             )
+        if meta.backend == "nixl" and (why := self.policy.nixl_refusal(host)) is not None:
+            log.warning("engine %s at %s:%d: %s", engine_id, host, port, why)
+            raise APIError(403, why, param="kv_transfer_params", code=kv_network.CODE)
         if meta.host:  # tcp, ucx: the peer's own word on where its pool is, checked
             try:
                 addr = await self.policy.transport_address(meta.host, named or (host,))

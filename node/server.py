@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 from aiohttp import web
 
+from node import kv_network
 from node.app import make_app
 from node.config import NodeConfig, parse_cpus
 from node.engines import make_engine
@@ -65,6 +66,7 @@ def build_state(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] =
         log.info("KV transport: none (an embedding node keeps no KV past a request)")
     elif getattr(engine, "handles_kv_transfer", False):
         log.info("KV transport: the %s engine's own", cfg.engine_kind)
+        kv_network.log_startup("nixl", cfg.kv_network_isolated)  # vLLM's NixlConnector
     else:
         transport = make_transport(
             cfg.transport,
@@ -74,6 +76,7 @@ def build_state(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] =
             **listen,
         )
         log.info("KV transport: %s", transport.backend)
+        kv_network.log_startup(transport.backend, cfg.kv_network_isolated)
     roles = Roles()
     for reg in register:
         reg(roles)

@@ -11,8 +11,9 @@ The gateway drives these legs exactly as it drives native ones (DESIGN §1):
   (`VllmRemoteParams`: only vLLM's fields, well typed), and the address checked against
   `--allowed-peers` before the engine may contact it (a name must resolve inside the allowed
   networks; the engine is handed the address, not the name), and with a cluster the host of a
-  registered prefill-capable node (an unregistered "prefill" poisons no cache); then the engine
-  pulls, decodes and streams. A failed pull is the engine's `kv_load_failure_policy`
+  registered prefill-capable node (an unregistered "prefill" poisons no cache), and on this
+  host unless the KV network is stated isolated (node/kv_network.py); then the engine pulls,
+  decodes and streams. A failed pull is the engine's `kv_load_failure_policy`
   (`--failure-policy`): recompute locally, or fail the request (an error answer / SSE error event).
 
 Nothing here is vLLM-specific code: only the role API (node.legs) and the engine interface
@@ -30,6 +31,7 @@ import socket
 import msgspec
 from aiohttp import web
 
+from node import kv_network
 from node.engine_api import KVHandoff
 from node.legs import DECODE_TRIGGER, PREFILL_TRIGGER, LegContext, Node, Roles, prefill_request_id
 from protocol.kv_params import KVTransferParams
@@ -38,6 +40,7 @@ from protocol.openai import APIError
 log = logging.getLogger("duet.node")
 _RESOLVE_TIMEOUT_S = 2.0
 _PARAM = "kv_transfer_params"
+_READ = "read KV from"
 
 
 class VllmRemoteParams(msgspec.Struct, kw_only=True, frozen=True):
@@ -123,6 +126,9 @@ async def _allowed_address(node: Node, host: str) -> str:
             code="peer_not_allowed",
             param=_PARAM,
         )
+    if why := kv_network.refusal(addrs[0], node.config.kv_network_isolated, "nixl", _READ):
+        log.warning("decode leg: %s", why)  # vLLM's NixlConnector moves the KV
+        raise APIError(403, why, code=kv_network.CODE, param=_PARAM)
     members = node.members
     if members is not None:
         if not members.listed:

@@ -596,6 +596,22 @@ def test_the_kv_plane_is_open_to_the_nodes_only(
     assert [r["ports"] for r in coordinator["spec"]["ingress"]] == [[{"port": "http"}]]
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_nixl_crosses_machines_only_with_the_isolation_statement(
+    rendered: dict[str, list[dict[str, Any]]], overlay: str
+) -> None:
+    """Both overlays run NIXL between pods; a nixl node refuses peers on other machines unless
+    it runs with --kv-network-isolated. The overlays state it through their component, which
+    rests on the kv-plane NetworkPolicy rendered beside it; nothing else may state it."""
+    objs = rendered[overlay]
+    _one(objs, "NetworkPolicy", "duet-kv-plane")
+    for d in _find(objs, "Deployment"):
+        args = _container(d)["args"]
+        stated = "--kv-network-isolated" in args
+        is_node = d["metadata"]["name"] in ("duet-prefill", "duet-decode")
+        assert stated == is_node, (d["metadata"]["name"], args)
+
+
 def test_external_etcd_component(rendered: dict[str, list[dict[str, Any]]]) -> None:
     objs = rendered["cpu+external-etcd"]
     assert not [o for o in objs if "etcd" in o["metadata"]["name"]]

@@ -12,11 +12,14 @@ import stat
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import openai
 import pytest
 
+from duet.up_home import DEV_TEAM
 from tests.procs import Proc, free_port
 
 UP_FLAGS = ("--kv-blocks", "256", "--dtype", "float32", "--threads", "1", "--quiet")
@@ -88,6 +91,21 @@ def stop_and_check_nothing_left(up: Proc, home: Path, sig: int) -> None:
     assert "duet up: stopped" in up.log()
 
 
+def _metrics_show_no_team_without_a_credential(url: str, home: Path, team_key: str) -> None:
+    """The gateway's `/metrics` (spend and tokens per team) answers the admin key only, by
+    default: no credential and a team's own key get a 401 that names no team."""
+    admin = (home / "up" / "admin.key").read_text().strip()
+    for headers in ({}, {"Authorization": f"Bearer {team_key}"}):
+        req = urllib.request.Request(url + "/metrics", headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        body = e.value.read().decode()
+        assert e.value.code == 401 and 'team="' not in body and "duet:" not in body, body
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {admin}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert f'team="{DEV_TEAM}"' in r.read().decode()  # the labels are there, behind the key
+
+
 def test_up_fresh_home_openai_restart_keeps_usage_and_sigint_leaves_nothing(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
@@ -114,6 +132,12 @@ def test_up_fresh_home_openai_restart_keeps_usage_and_sigint_leaves_nothing(
             temperature=0,
         )
         assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+        _metrics_show_no_team_without_a_credential(up.url, home, key)
+        # The KV crossed between prefill-0 and decode-0 over NIXL on loopback, with no statement
+        # that the network is isolated: the nodes say they refuse peers on other hosts.
+        for node in ("prefill-0", "decode-0"):
+            log = (home / "logs" / f"{node}.log").read_text()
+            assert "peers on other hosts are refused" in log and "--kv-network-isolated" in log
         # The snippets work exactly as printed.
         bindir = str(Path(sys.executable).parent)
         env = {**os.environ, "PATH": bindir + os.pathsep + os.environ["PATH"]}

@@ -31,6 +31,7 @@ import os
 import secrets
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -83,6 +84,30 @@ def _in(
     p = Proc(host.exec(args), port, log, env)
     p.url = f"http://{host.ip}:{port}"  # reached over the bridge, not the test's own loopback
     return p
+
+
+def _node_args(host: netns.Host, role: str, port: int, model: Path, *extra: str) -> list[str]:
+    # On every address, as in a pod: the preStop hook reaches it on 127.0.0.1, peers on host.ip.
+    return [
+        sys.executable,
+        "-m",
+        "duet",
+        "node",
+        "--role",
+        role,
+        "--model",
+        str(model),
+        "--threads",
+        "1",
+        "--host",
+        "0.0.0.0",
+        "--advertise-host",
+        host.ip,
+        "--port",
+        str(port),
+        *TINY_NODE_ARGS,
+        *extra,
+    ]
 
 
 @dataclass
@@ -147,30 +172,9 @@ def cluster(
     )
 
     def node(host: netns.Host, role: str, port: int) -> Proc:
-        # On every address, as in a pod: the preStop hook reaches it on 127.0.0.1, peers on host.ip.
-        args = [
-            sys.executable,
-            "-m",
-            "duet",
-            "node",
-            "--role",
-            role,
-            "--model",
-            str(tiny_llama),
-            "--threads",
-            "1",
-            "--host",
-            "0.0.0.0",
-            "--advertise-host",
-            host.ip,
-            "--port",
-            str(port),
-            "--etcd",
-            etcd_url,
-            "--node-id",
-            f"{role}-{host.name}",
-            *TINY_NODE_ARGS,
-        ]
+        # The operator's statement that only the cluster's nodes reach this LAN: NIXL crosses it.
+        args = _node_args(host, role, port, tiny_llama, "--kv-network-isolated")
+        args += ["--etcd", etcd_url, "--node-id", f"{role}-{host.name}"]
         return _in(host, args, port, tmp / f"{role}.log", {**UCX_ENV, **env})
 
     p, d = node(b, "prefill", PREFILL_PORT), node(c, "decode", DECODE_PORT)
@@ -256,6 +260,79 @@ def test_a_completion_crosses_three_hosts_with_kv_over_nixl(
         f"host C's loopback carried {lo_delta} B: the KV did not cross hosts"
     )
     assert got.choices[0].text and got.choices[0].text == _completion(c, c.decode, ids, 8)
+
+
+def _post(c: Cluster, url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={
+            "Content-Type": "application/json",
+            "Authorization": "Bearer " + c.secret_file.read_text(),
+        },
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _refused_for_isolation(status: int, body: dict[str, Any]) -> None:
+    assert status == 403, body
+    err = body["error"]
+    assert err["code"] == "kv_network_not_isolated", err
+    assert "--kv-network-isolated" in err["message"] and "--transport tcp" in err["message"], err
+
+
+def test_without_the_isolation_statement_nixl_peers_on_other_hosts_are_refused(
+    cluster: Cluster, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """A nixl node started without `--kv-network-isolated` (host C) exchanges no KV with
+    another host, both ways: its metadata (the pool's memory keys) is refused to a caller on
+    another host (the test's root namespace) yet served on its own host, and a decode leg naming
+    the prefill node on host B is refused before any byte moves, while the cluster's decode node
+    (stated) pulls that kind of KV from host B: the first test."""
+    c, host_c = cluster, cluster.lan.hosts["c"]
+    env = {**UCX_ENV, "DUET_CLUSTER_SECRET_FILE": str(c.secret_file)}
+    port = DECODE_PORT + 1
+    x = _in(host_c, _node_args(host_c, "decode", port, tiny_llama), port, tmp_path / "x.log", env)
+    with running(x):
+        assert _backend(c, c.prefill) == "nixl"  # stated: served to another host
+        # The owner's side: not handed to another host, with the reason ...
+        with pytest.raises(urllib.error.HTTPError) as e:
+            c.get(x.url + "/kv/metadata")
+        _refused_for_isolation(e.value.code, json.loads(e.value.read()))
+        # ... but served on its own host (loopback, and its own LAN address).
+        for addr in ("127.0.0.1", host_c.ip):
+            fetch = (
+                "import sys, urllib.request as u; r = u.Request(sys.argv[1], headers="
+                "{'Authorization': 'Bearer ' + open(sys.argv[2]).read()}); "
+                "print(u.urlopen(r, timeout=10).read().decode())"
+            )
+            url, secret = f"http://{addr}:{port}/kv/metadata", str(c.secret_file)
+            out = subprocess.run(
+                host_c.exec([sys.executable, "-c", fetch, url, secret]),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert out.returncode == 0, out.stderr
+            assert decode_metadata(out.stdout.strip()).backend == "nixl"
+        # The reader's side: a real prefill leg on host B, its KV offered to x on host C.
+        ids = Tokenizer(tiny_llama).encode("An unstated network carries no KV between hosts.")
+        leg = {"prompt": ids, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        status, held = _post(c, c.prefill.url + "/v1/completions", leg)
+        assert status == 200 and held["kv_transfer_params"]["remote_host"] == c.lan.hosts["b"].ip
+        decode = {"prompt": ids, "max_tokens": 2, "temperature": 0}
+        status, body = _post(
+            c,
+            x.url + "/v1/completions",
+            {**decode, "kv_transfer_params": held["kv_transfer_params"]},
+        )
+        _refused_for_isolation(status, body)
+        assert metric(x.url, "duet:kv_transfer_bytes_total") == 0
+        assert "--kv-network-isolated" in x.log()  # the refusals are logged, not silent
 
 
 def test_the_prestop_hook_drains_the_prefill_node(cluster: Cluster) -> None:
