@@ -246,7 +246,7 @@ def _print(obj: Any) -> None:
 
 def _teams(args: argparse.Namespace) -> int:
     from gateway.accounts.store.base import StoreError
-    from gateway.api.admin import TeamCreate, validate_team
+    from gateway.api.admin_teams import TeamCreate, validate_team
     from protocol.openai import APIError
 
     async def run(store: Any) -> int:

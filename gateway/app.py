@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.accounts.auth import MIN_ADMIN_KEY
 from gateway.accounts.store import open_store
 from gateway.accounts.store.base import Store, StoreError
-from gateway.api import admin, embeddings, openai, rollout, tokens
+from gateway.api import admin, admin_teams, embeddings, openai, rollout, tokens
 from gateway.api.anthropic import api as anthropic_api
 from gateway.api.anthropic import count as anthropic_count
 from gateway.api.responses import api as responses_api
@@ -235,14 +235,15 @@ def make_app(config: GatewayConfig) -> web.Application:
     r.add_get("/v1/usage", _bind(admin.usage))
     r.add_get("/health", _health(_metrics_reader(config)))
     r.add_get("/metrics", _metrics(metrics))
-    r.add_post("/admin/teams", _bind(admin.create_team))
-    r.add_get("/admin/teams", _bind(admin.list_teams))
-    r.add_get("/admin/teams/{id}", _bind(admin.list_teams))
-    r.add_put("/admin/teams/{id}", _bind(admin.update_team))
-    r.add_delete("/admin/teams/{id}", _bind(admin.delete_team))
-    r.add_post("/admin/keys", _bind(admin.create_key))
-    r.add_get("/admin/keys", _bind(admin.list_keys))
-    r.add_delete("/admin/keys/{id}", _bind(admin.revoke_key))
+    r.add_post("/admin/teams", _bind(admin_teams.create_team))
+    r.add_get("/admin/teams", _bind(admin_teams.list_teams))
+    r.add_get("/admin/teams/{id}", _bind(admin_teams.list_teams))
+    r.add_put("/admin/teams/{id}", _bind(admin_teams.update_team))
+    r.add_patch("/admin/teams/{id}", _bind(admin_teams.patch_team))
+    r.add_delete("/admin/teams/{id}", _bind(admin_teams.delete_team))
+    r.add_post("/admin/keys", _bind(admin_teams.create_key))
+    r.add_get("/admin/keys", _bind(admin_teams.list_keys))
+    r.add_delete("/admin/keys/{id}", _bind(admin_teams.revoke_key))
     r.add_get("/admin/batches", _bind(admin.list_batches))
     r.add_post("/admin/batches/{id}/cancel", _bind(admin.cancel_batch))
     r.add_get("/admin/models/{model}/versions", _bind(rollout.get_versions))

@@ -1,10 +1,6 @@
-"""Admin endpoints (teams and keys, admin key only) and `GET /v1/usage` (a team's own usage).
+"""`GET /v1/usage` (a team's own usage) and the admin's view of every team's batches (teams
+and keys: gateway/api/admin_teams.py).
 
-- `POST /admin/teams {id, rpm, tpm, max_concurrent, daily_budget_usd, monthly_budget_usd,
-  default_tier}` → 201; `GET /admin/teams[/{id}]`; `PUT /admin/teams/{id} {limits…}` sets its
-  limits; `DELETE /admin/teams/{id}` (revokes its keys).
-- `POST /admin/keys {team_id, name}` → 201 with the secret, shown this once;
-  `GET /admin/keys[?team_id=]`; `DELETE /admin/keys/{id}` revokes.
 - `GET /v1/usage?date=YYYY-MM-DD` (or `start=&end=`, dates or unix seconds;
   `group_by=model|day|team|tier|user|adapter|version|record`, user the requests' `user` field,
   record every request's usage record; a grouped row carries its TTFT P50/P90, all computed by
@@ -28,157 +24,20 @@ import asyncio
 import calendar
 import dataclasses
 import math
-import re
 import time
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from gateway.accounts.keys import new_key
-from gateway.accounts.store.base import GROUP_BY, Team, UsageRecord
+from gateway.accounts.store.base import GROUP_BY, UsageRecord
 from gateway.accounts.store.batch_tables import BatchTables, Conflict
+from gateway.api.admin_teams import json_response
 from gateway.batch import wiring as batch_wiring
 from gateway.batch.models import Batch
 from gateway.batch.submit import batch_object
 from gateway.state import GatewayState
 from protocol.openai import APIError
-
-_ENC = msgspec.json.Encoder()
-_TEAM_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
-
-class TeamCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    id: str
-    rpm: int | None = None
-    tpm: int | None = None
-    max_concurrent: int | None = None
-    daily_budget_usd: float | None = None
-    monthly_budget_usd: float | None = None
-    default_tier: str = "interactive"
-
-
-class TeamLimits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    rpm: int | None = None
-    tpm: int | None = None
-    max_concurrent: int | None = None
-    daily_budget_usd: float | None = None
-    monthly_budget_usd: float | None = None
-    default_tier: str = "interactive"
-
-
-class KeyCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    team_id: str
-    name: str = ""
-
-
-def _json(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=_ENC.encode(obj), content_type="application/json")
-
-
-async def _body(request: web.Request, cls: type) -> Any:
-    try:
-        return msgspec.json.decode(await request.read(), type=cls)
-    except (msgspec.DecodeError, RecursionError) as e:  # RecursionError: JSON nested too deep
-        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
-    except msgspec.ValidationError as e:
-        raise APIError(400, f"invalid request: {e}") from None
-
-
-#: the tiers a team may default to, by name (the lookup types the name as Team's Literal)
-_TIERS: dict[str, Literal["interactive", "batch"]] = {
-    "interactive": "interactive",
-    "batch": "batch",
-}
-
-
-def validate_team(t: TeamCreate) -> Team:
-    if not _TEAM_ID.match(t.id):
-        raise APIError(
-            400, "team id: 1-64 characters of letters, digits, '_', '.', '-'", param="id"
-        )
-    for f in ("rpm", "tpm", "max_concurrent", "daily_budget_usd", "monthly_budget_usd"):
-        v = getattr(t, f)
-        if v is not None and v < 0:
-            raise APIError(400, f"{f} must be >= 0", param=f)
-    tier = _TIERS.get(t.default_tier)
-    if tier is None:
-        raise APIError(400, "default_tier must be 'interactive' or 'batch'", param="default_tier")
-    return Team(
-        id=t.id,
-        rpm=t.rpm,
-        tpm=t.tpm,
-        max_concurrent=t.max_concurrent,
-        daily_budget_usd=t.daily_budget_usd,
-        monthly_budget_usd=t.monthly_budget_usd,
-        default_tier=tier,
-        created_at=time.time(),
-    )
-
-
-async def create_team(state: GatewayState, request: web.Request) -> web.Response:
-    state.auth.require_admin(request)
-    team = validate_team(await _body(request, TeamCreate))
-    return _json(await state.store.create_team(team), 201)
-
-
-async def list_teams(state: GatewayState, request: web.Request) -> web.Response:
-    state.auth.require_admin(request)
-    if "id" in request.match_info:
-        team = await state.store.get_team(request.match_info["id"])
-        if team is None:
-            raise APIError(404, f"no team {request.match_info['id']!r}", code="not_found")
-        return _json(team)
-    return _json({"object": "list", "data": await state.store.list_teams()})
-
-
-async def update_team(state: GatewayState, request: web.Request) -> web.Response:
-    """`PUT /admin/teams/{id}`: the team's limits and default tier, all of them (a limit left
-    out is none). Its keys see the new limits at once on this gateway (the key cache forgets
-    the team), within [server] key_cache_ttl_s on others."""
-    state.auth.require_admin(request)
-    tid = request.match_info["id"]
-    body: TeamLimits = await _body(request, TeamLimits)
-    team = validate_team(TeamCreate(id=tid, **msgspec.structs.asdict(body)))
-    updated = await state.store.update_team(team)
-    if updated is None:
-        raise APIError(404, f"no team {tid!r}", code="not_found")
-    state.auth.keys.forget_team(tid)
-    return _json(updated)
-
-
-async def delete_team(state: GatewayState, request: web.Request) -> web.Response:
-    state.auth.require_admin(request)
-    tid = request.match_info["id"]
-    if not await state.store.delete_team(tid):
-        raise APIError(404, f"no team {tid!r}", code="not_found")
-    state.auth.keys.forget_team(tid)
-    return _json({"id": tid, "deleted": True})
-
-
-async def create_key(state: GatewayState, request: web.Request) -> web.Response:
-    state.auth.require_admin(request)
-    body: KeyCreate = await _body(request, KeyCreate)
-    key, secret, digest = new_key(body.team_id, body.name)
-    await state.store.create_key(key, digest)
-    return _json({**msgspec.structs.asdict(key), "key": secret}, 201)
-
-
-async def list_keys(state: GatewayState, request: web.Request) -> web.Response:
-    state.auth.require_admin(request)
-    return _json(
-        {"object": "list", "data": await state.store.list_keys(request.query.get("team_id"))}
-    )
-
-
-async def revoke_key(state: GatewayState, request: web.Request) -> web.Response:
-    state.auth.require_admin(request)
-    kid = request.match_info["id"]
-    if not await state.store.revoke_key(kid):
-        raise APIError(404, f"no live key {kid!r}", code="not_found")
-    state.auth.keys.forget_key(kid)
-    return _json({"id": kid, "revoked": True})
-
 
 _RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(UsageRecord))
 
@@ -316,7 +175,7 @@ async def usage(state: GatewayState, request: web.Request) -> web.Response:
         return web.Response(body=body, content_type="application/json")
     else:
         rows = await state.store.usage(team_id, start, end, group_by)
-    return _json(
+    return json_response(
         {
             "object": "list",
             "team_id": team_id,
@@ -369,7 +228,7 @@ async def list_batches(state: GatewayState, request: web.Request) -> web.Respons
         more = more or has_more
     rows.sort(key=lambda r: (r.created_at, r.id), reverse=True)
     data = [TeamBatch(team_id=r.team_id, batch=batch_object(r)) for r in rows[:limit]]
-    return _json(TeamBatchList(data=data, has_more=more or len(rows) > limit))
+    return json_response(TeamBatchList(data=data, has_more=more or len(rows) > limit))
 
 
 async def cancel_batch(state: GatewayState, request: web.Request) -> web.Response:
@@ -386,4 +245,4 @@ async def cancel_batch(state: GatewayState, request: web.Request) -> web.Respons
     if cancelled is None:  # removed between the two reads
         raise APIError(404, f"No such Batch: {bid!r}", param="id", code="not_found")
     wake()
-    return _json(TeamBatch(team_id=cancelled.team_id, batch=batch_object(cancelled)))
+    return json_response(TeamBatch(team_id=cancelled.team_id, batch=batch_object(cancelled)))

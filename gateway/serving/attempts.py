@@ -24,7 +24,7 @@ from gateway.backends.base import Attempt, MidStreamError, Reply, ServedModel
 from gateway.backends.providers.fallback import FallbackDecision, Reason
 from gateway.serving.choice import Need
 from gateway.serving.context import Serving
-from gateway.serving.fair_queue import Claim
+from gateway.serving.fair_queue import Claim, share_weight
 from gateway.serving.features import features
 from gateway.serving.measure import Measured, measure
 from gateway.serving.openai_format import Formatter
@@ -126,9 +126,9 @@ class Tries:
             and self._next(origin, Reason.SATURATED, n).to_model is not None
         ):
             wait = serving.config.tiers.interactive_fallback_wait_s
-        claim = Claim(
-            team=self.ledger.caller.team.id, weight=self.policy.weight, tokens=len(size.ids)
-        )
+        team = self.ledger.caller.team
+        weight = share_weight(team.weight, self.policy.weight)
+        claim = Claim(team=team.id, weight=weight, tokens=len(size.ids))
         async with serving.admission.slot(self.tier, claim, wait) as turn:
             headers["x-duet-queue-ms"] = turn.queue_ms
             self.ledger.record.queue_s = round(turn.queued_s, 6)

@@ -23,7 +23,7 @@ from gateway.backends.base import EmbeddingAttempt, EmbeddingReply, ServedModel
 from gateway.config import ModelConfig, TeamPolicy, Tier
 from gateway.config_adapters import may_use
 from gateway.serving.context import Serving
-from gateway.serving.fair_queue import Claim
+from gateway.serving.fair_queue import Claim, share_weight
 from gateway.serving.generate import forbidden
 from gateway.serving.measure import Measured
 from gateway.serving.pipeline import Admitted, Answer
@@ -175,9 +175,9 @@ class EmbedAttempts:
             **({GEN_AI_DIMENSIONS: dims} if dims else {}),
         }
         with client_span(self.serving.tracing, EMBEDDINGS, name, "duet", asked, self._usage(name)):
-            claim = Claim(
-                team=self.a.caller.team.id, weight=self.a.policy.weight, tokens=size.n_prompt
-            )
+            team = self.a.caller.team
+            weight = share_weight(team.weight, self.a.policy.weight)
+            claim = Claim(team=team.id, weight=weight, tokens=size.n_prompt)
             async with self.serving.admission.slot(self.a.tier, claim) as turn:
                 vectors = await reply.vectors()
             self.ledger.record.queue_s = round(turn.queued_s, 6)

@@ -37,11 +37,18 @@ T = TypeVar("T")
 @dataclass(frozen=True, kw_only=True)
 class Claim:
     """Who asks for a slot: the team (authenticated, never a client header), its share weight
-    (`[teams.<id>] weight`) and the prompt tokens its request holds."""
+    (`share_weight`) and the prompt tokens its request holds."""
 
     team: str
     weight: float = 1.0
     tokens: int = 0
+
+
+def share_weight(stored: float | None, configured: float) -> float:
+    """A team's share weight: the one the admin API stored with the team (`PATCH
+    /admin/teams/{id}`), else gateway.toml's `[teams.<id>] weight`. Read per request from the
+    caller's team, so a change takes at the team's next request, without a restart."""
+    return configured if stored is None else stored
 
 
 @dataclass(eq=False)

@@ -59,12 +59,18 @@ class Team(msgspec.Struct, kw_only=True, frozen=True):
     monthly_budget_usd: float | None = None
     default_tier: Literal["interactive", "batch"] = "interactive"
     created_at: float = 0.0
+    #: its share of a saturated tier (gateway/serving/fair_queue.py); None: gateway.toml's
+    #: `[teams.<id>] weight`
+    weight: float | None = None
 
 
 #: the teams table's columns, in `team_values`' order: both stores read and write teams by it
 TEAM_COLS = (
-    "id, rpm, tpm, max_concurrent, daily_budget_usd, monthly_budget_usd, default_tier, created_at"
+    "id, rpm, tpm, max_concurrent, daily_budget_usd, monthly_budget_usd, default_tier, "
+    "created_at, weight"
 )
+#: how many columns a team's row has
+N_TEAM_COLS = len(TEAM_COLS.split(","))
 
 
 def team_values(t: Team) -> tuple[object, ...]:
@@ -78,6 +84,7 @@ def team_values(t: Team) -> tuple[object, ...]:
         t.monthly_budget_usd,
         t.default_tier,
         t.created_at,
+        t.weight,
     )
 
 

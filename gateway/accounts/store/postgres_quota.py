@@ -34,7 +34,7 @@ CREATE TABLE IF NOT EXISTS teams (
     id TEXT PRIMARY KEY, rpm BIGINT, tpm BIGINT, max_concurrent BIGINT,
     daily_budget_usd DOUBLE PRECISION, monthly_budget_usd DOUBLE PRECISION,
     default_tier TEXT NOT NULL,
-    created_at DOUBLE PRECISION NOT NULL);
+    created_at DOUBLE PRECISION NOT NULL, weight DOUBLE PRECISION);
 CREATE TABLE IF NOT EXISTS api_keys (
     id TEXT PRIMARY KEY, team_id TEXT NOT NULL, name TEXT NOT NULL, prefix TEXT NOT NULL,
     secret_hash TEXT NOT NULL UNIQUE, created_at DOUBLE PRECISION NOT NULL,
@@ -87,6 +87,7 @@ ADDED_COLUMNS = [
     ("usage", "queue_s", "DOUBLE PRECISION"),
     ("usage", "adapter", "TEXT"),
     ("usage", "version", "TEXT"),
+    ("teams", "weight", "DOUBLE PRECISION"),
 ]
 
 KEY_COLS = "id, team_id, name, prefix, created_at, revoked_at"
@@ -103,6 +104,7 @@ def team_of(r: Any) -> Team:
         monthly_budget_usd=r["monthly_budget_usd"],
         default_tier=r["default_tier"],
         created_at=r["created_at"],
+        weight=r["weight"],
     )
 
 

@@ -11,9 +11,19 @@ import time
 
 import asyncpg
 
-from gateway.accounts.store.base import TEAM_COLS, ApiKey, StoreError, Team, team_values
+from gateway.accounts.store.base import (
+    N_TEAM_COLS,
+    TEAM_COLS,
+    ApiKey,
+    StoreError,
+    Team,
+    team_values,
+)
 from gateway.accounts.store.postgres_quota import KEY_COLS, key_of, team_of
 from gateway.accounts.store.team_ids import reused
+
+#: the teams table's placeholders, one per TEAM_COLS column
+_TEAM_VALUES = ",".join(f"${i + 1}" for i in range(N_TEAM_COLS))
 
 
 class PostgresTeams:
@@ -31,7 +41,7 @@ class PostgresTeams:
                 if await con.fetchval("SELECT 1 FROM team_tombstones WHERE id=$1", t.id):
                     raise reused(t.id)
                 await con.execute(
-                    f"INSERT INTO teams ({TEAM_COLS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8)",
+                    f"INSERT INTO teams ({TEAM_COLS}) VALUES ({_TEAM_VALUES})",
                     *team_values(t),
                 )
         except asyncpg.UniqueViolationError:
@@ -41,7 +51,8 @@ class PostgresTeams:
     async def update_team(self, team: Team) -> Team | None:
         r = await self.pool.fetchrow(
             "UPDATE teams SET rpm=$2, tpm=$3, max_concurrent=$4, daily_budget_usd=$5, "
-            f"monthly_budget_usd=$6, default_tier=$7 WHERE id=$1 RETURNING {TEAM_COLS}",
+            "monthly_budget_usd=$6, default_tier=$7, weight=$8 WHERE id=$1 "
+            f"RETURNING {TEAM_COLS}",
             team.id,
             team.rpm,
             team.tpm,
@@ -49,6 +60,7 @@ class PostgresTeams:
             team.daily_budget_usd,
             team.monthly_budget_usd,
             team.default_tier,
+            team.weight,
         )
         return team_of(r) if r else None
 

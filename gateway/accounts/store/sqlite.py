@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gateway.accounts.store.base import (
+    N_TEAM_COLS,
     TEAM_COLS,
     WINDOW_S,
     ApiKey,
@@ -34,14 +35,12 @@ from gateway.accounts.store.base import (
 )
 from gateway.accounts.store.sqlite_batch import SqliteBatchTables, init_batch_tables
 from gateway.accounts.store.sqlite_conn import Connections, Immediate
-from gateway.accounts.store.sqlite_quota import (
+from gateway.accounts.store.sqlite_quota import expire_where, reserve_in, settler
+from gateway.accounts.store.sqlite_tables import (
     FAST_BATCH,
     KEY_COLS,
-    expire_where,
     init_tables,
     key_of,
-    reserve_in,
-    settler,
     team_fields,
     team_of,
 )
@@ -51,6 +50,9 @@ from gateway.accounts.store.team_ids import reused
 from gateway.accounts.store.usage_totals import group_keys, outliers_sql, totals_row, totals_sql
 
 T = TypeVar("T")
+
+#: the teams table's placeholders, one per TEAM_COLS column
+_TEAM_VALUES = ",".join("?" * N_TEAM_COLS)
 
 
 def _init(db: sqlite3.Connection) -> None:
@@ -92,7 +94,7 @@ class SqliteStore(SqliteBatchTables, Store):
                     if db.execute("SELECT 1 FROM team_tombstones WHERE id=?", (t.id,)).fetchone():
                         raise reused(t.id)
                     db.execute(
-                        f"INSERT INTO teams ({TEAM_COLS}) VALUES (?,?,?,?,?,?,?,?)",
+                        f"INSERT INTO teams ({TEAM_COLS}) VALUES ({_TEAM_VALUES})",
                         team_values(t),
                     )
             except sqlite3.IntegrityError:
@@ -106,7 +108,7 @@ class SqliteStore(SqliteBatchTables, Store):
             with Immediate(db):
                 n = db.execute(
                     "UPDATE teams SET rpm=?, tpm=?, max_concurrent=?, daily_budget_usd=?, "
-                    "monthly_budget_usd=?, default_tier=? WHERE id=?",
+                    "monthly_budget_usd=?, default_tier=?, weight=? WHERE id=?",
                     (
                         team.rpm,
                         team.tpm,
@@ -114,6 +116,7 @@ class SqliteStore(SqliteBatchTables, Store):
                         team.daily_budget_usd,
                         team.monthly_budget_usd,
                         team.default_tier,
+                        team.weight,
                         team.id,
                     ),
                 ).rowcount
