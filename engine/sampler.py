@@ -193,16 +193,17 @@ def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def token_logprobs(
     logits: torch.Tensor, token_ids: list[int], num_top: list[int]
 ) -> list[TokenLogprob]:
-    """Row r: the logprob of `token_ids[r]` and the `num_top[r]` most likely tokens, from the
-    log-softmax of the raw logits in fp32 (the model's distribution before temperature, top-k,
+    """Row r: the logprob of `token_ids[r]`, its rank and the `num_top[r]` most likely tokens,
+    from the log-softmax of the raw logits in fp32 (the model's distribution before temperature, top-k,
     top-p and min_tokens' EOS mask: vLLM's default `logprobs_mode`, so a value does not
     change with how the token was chosen)."""
     if not token_ids:
         return []
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = (
-        lp.gather(1, torch.tensor(token_ids, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
-    )
+    chosen_t = lp.gather(1, torch.tensor(token_ids, device=lp.device).unsqueeze(1))
+    # vLLM's rank: the tokens at least as likely as the chosen one, itself included
+    ranks = (lp >= chosen_t).sum(dim=-1).tolist()
+    chosen = chosen_t.squeeze(1).tolist()
     k = min(max(num_top), lp.shape[-1])
     top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
     vals, ids = top_v.tolist(), top_i.tolist()
@@ -211,6 +212,7 @@ def token_logprobs(
             token_id=t,
             logprob=chosen[r],
             top=list(zip(ids[r][: num_top[r]], vals[r][: num_top[r]], strict=True)),
+            rank=ranks[r],
         )
         for r, t in enumerate(token_ids)
     ]

@@ -8,8 +8,9 @@ template make of it, and its sampling fields: a generate body; completions: a li
 The body becomes the `NodeCompletionRequest` it is (the prompt the token ids, the sampling
 fields by their completions names, whole) and runs as a local leg of `/v1/completions` — the
 same checks, context bound, scheduling and engine path — and the node's whole answer, which
-carries each choice's token ids, is rendered in vLLM's shape. A refusal names the field as the
-generate body calls it (`token_ids`, `sampling_params.temperature`).
+carries each choice's token ids and (asked with `logprob_records`) its logprobs by token id,
+is rendered in vLLM's shape. A refusal names the field as the generate body calls it
+(`token_ids`, `sampling_params.temperature`).
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from node.chat import as_completion, parse_chat, template
 from node.completions import dispatch, parse_body, prepare_body, served_adapter
 from node.request_log import REQUEST_ID
 from node.state import NodeState
-from protocol.chat import chat_logprobs
 from protocol.generate import (
     GenerateChoice,
     GenerateResponse,
     GenerateSamplingParams,
     Rendered,
+    choice_logprobs,
     parse_generate,
     sampling_kwargs,
 )
@@ -54,6 +55,7 @@ async def handle_generate(state: NodeState, request: web.Request) -> web.StreamR
             stream=bool(body.stream),
             stream_options=body.stream_options,
             guide=_guide(so),
+            logprob_records=True,  # the answer's logprobs are by token id (vLLM's form)
         ),
         **fields,
     )
@@ -79,6 +81,8 @@ async def handle_generate(state: NodeState, request: web.Request) -> web.StreamR
     assert done.usage is not None
     out = GenerateResponse(
         request_id=body.request_id or REQUEST_ID.get(),
+        model=done.model,
+        created=done.created,
         usage=done.usage,
         prompt_token_ids=prep.prompt_ids if body.return_token_ids else None,
         choices=[
@@ -86,7 +90,7 @@ async def handle_generate(state: NodeState, request: web.Request) -> web.StreamR
                 index=c.index,
                 token_ids=c.token_ids or [],
                 finish_reason=c.finish_reason,
-                logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs),
+                logprobs=choice_logprobs(c.logprobs),
             )
             for c in done.choices
         ],

@@ -1,6 +1,6 @@
 """A node's streamed `/inference/v1/generate` answer (vLLM's generate stream): each engine
-delta with new token ids or a finish reason is one `GenerateChunk` (the ids, their logprobs in
-chat's shape when asked, the finish reason), and with `stream_options.include_usage` a last
+delta with new token ids or a finish reason is one `GenerateChunk` (the ids, their logprobs by
+token id when asked, the finish reason), and with `stream_options.include_usage` a last
 chunk with no choices carries the usage — the same tokens the node's streamed `/v1/completions`
 carries for the same prompt ids (node/responder.py relays both, and ends with `[DONE]`).
 """
@@ -8,8 +8,7 @@ carries for the same prompt ids (node/responder.py relays both, and ends with `[
 from __future__ import annotations
 
 from node.engine_api import Delta
-from protocol.chat import chat_logprobs
-from protocol.generate import GenerateChoice, GenerateChunk
+from protocol.generate import GenerateChoice, GenerateChunk, choice_logprobs
 from protocol.openai import CompletionLogprobs, Usage
 
 
@@ -37,7 +36,7 @@ class GenerateChunker:
                 index=0,
                 token_ids=list(out.new_token_ids),
                 finish_reason=out.finish_reason,
-                logprobs=None if logprobs is None else chat_logprobs(logprobs),
+                logprobs=choice_logprobs(logprobs),
             )
             made.append(
                 GenerateChunk(

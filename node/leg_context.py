@@ -38,7 +38,12 @@ class Leg:
         self.engine_request_id = engine_request_id
         resumed = prep.body.resume.output_tokens if prep.body.resume is not None else 0
         self._responder = Responder(
-            state, prep.request_id, engine_request_id, prep.arrival, resumed
+            state,
+            prep.request_id,
+            engine_request_id,
+            prep.arrival,
+            resumed,
+            prep.body.logprob_records,
         )
 
     @property

@@ -16,6 +16,8 @@ string, as OpenAI's is: two ids that decode alike keep the likelier.
 
 from __future__ import annotations
 
+import math
+
 from protocol.logprobs import TokenLogprob
 from protocol.openai import CompletionLogprobs, PromptLogprob
 from text.tokenizer import Tokenizer
@@ -32,12 +34,27 @@ def _top(tokenizer: Tokenizer, rec: TokenLogprob) -> dict[str, float]:
     return out
 
 
-class CompletionRenderer:
-    """Renders the completions object, delta by delta (keeps the running text offset)."""
+def _finite(x: float) -> float:
+    # JSON has no infinity: the floor OpenAI's and vLLM's shapes use (NaN too)
+    return x if math.isfinite(x) else -9999.0
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+
+def _wire(r: TokenLogprob) -> TokenLogprob:
+    """`r` with finite logprobs (JSON has no infinity)."""
+    if math.isfinite(r.logprob) and all(math.isfinite(lp) for _, lp in r.top):
+        return r
+    top = [(t, _finite(lp)) for t, lp in r.top]
+    return TokenLogprob(token_id=r.token_id, logprob=_finite(r.logprob), top=top, rank=r.rank)
+
+
+class CompletionRenderer:
+    """Renders the completions object, delta by delta (keeps the running text offset); with
+    `records`, the engine's records go along (`CompletionLogprobs.records`)."""
+
+    def __init__(self, tokenizer: Tokenizer, records: bool = False) -> None:
         self._tokenizer = tokenizer
         self._offset = 0
+        self._records = records
 
     def render(self, records: list[TokenLogprob]) -> CompletionLogprobs:
         tokens = [_tok(self._tokenizer, r.token_id) for r in records]
@@ -50,6 +67,7 @@ class CompletionRenderer:
             token_logprobs=[r.logprob for r in records],
             top_logprobs=[_top(self._tokenizer, r) for r in records],
             text_offset=offsets,
+            records=[_wire(r) for r in records] if self._records else None,
         )
 
 

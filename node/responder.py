@@ -83,6 +83,7 @@ class Responder:
         engine_request_id: str,
         arrival: float,
         resumed: int = 0,
+        records: bool = False,
     ) -> None:
         self.state = state
         self.resumed = resumed
@@ -94,7 +95,8 @@ class Responder:
         self.timing: dict[str, float] = {}
         self._first_token_time: float | None = None
         self._last_token_time: float | None = None
-        self._logprobs = CompletionRenderer(state.engine.tokenizer)
+        #: the logprobs carry the engine's records too (the leg's `logprob_records`)
+        self._logprobs = CompletionRenderer(state.engine.tokenizer, records)
         self._created = int(time.time())
 
     def _usage(self, out: Delta) -> Usage:

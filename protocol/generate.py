@@ -12,12 +12,13 @@ to anything but its neutral value, is a 400 naming it (gateway/api/tokens.py), n
 
 from __future__ import annotations
 
+import math
 import re
 
 import msgspec
 
-from protocol.chat import ChatLogprobs
-from protocol.openai import APIError, StreamOptions, Usage
+from protocol.logprobs import TokenLogprob
+from protocol.openai import APIError, CompletionLogprobs, StreamOptions, Usage
 from protocol.structured import StructuredOutputs
 
 #: text-only sampling switches: the answer is token ids, so they change nothing
@@ -67,6 +68,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_u
     stream_options: StreamOptions | None = None
     #: the answer carries the prompt's ids as `prompt_token_ids` (streamed: the first event)
     return_token_ids: bool | None = None
+    #: vLLM's answer level: "tokens" (ids and logprobs by id) is served, "text" is a 400
+    output_mode: str = "tokens"
     #: vLLM's fields duet does not serve: taken only at their neutral value (the gateway salts
     #: the prefix cache per team itself, schedules by tier, and moves KV between its own nodes)
     cache_salt: str | None = None
@@ -75,19 +78,83 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_u
     kv_transfer_params: dict[str, str] | None = None
 
 
+class GenerateLogprob(msgspec.Struct, kw_only=True):
+    """One (token, logprob) candidate by token id (vLLM's `GenerateLogProb`)."""
+
+    token_id: int
+    logprob: float
+    #: its rank in the vocabulary (1: the likeliest); None where the engine did not say
+    rank: int | None = None
+
+
+class GenerateLogprobsContent(GenerateLogprob, kw_only=True):
+    """The sampled token at one position and the candidates there (vLLM's
+    `GenerateLogProbsContent`): the sampled token first, then the top tokens by rank, as many
+    as asked (at least one)."""
+
+    top_logprobs: list[GenerateLogprob] = []
+
+
+class GenerateLogprobs(msgspec.Struct, kw_only=True):
+    """One choice's logprobs, one entry per generated token (vLLM's `GenerateLogProbs`)."""
+
+    content: list[GenerateLogprobsContent] | None = None
+
+
+def _floor(x: float) -> float:
+    # vLLM's floor for a logprob JSON cannot carry (-inf, NaN)
+    return -9999.0 if math.isnan(x) else max(x, -9999.0)
+
+
+def generate_logprobs(records: list[TokenLogprob]) -> GenerateLogprobs:
+    """The engine's records (`top` as many as asked) in vLLM's token-id form, built as vLLM's
+    server builds it: per position the sampled token, then the top tokens ranked 1.. — one
+    entry per id, where it first came, with its last value (a sampled token among the top
+    takes its top rank) — cut to max(asked, 1)."""
+    content: list[GenerateLogprobsContent] = []
+    for r in records:
+        seen: dict[int, tuple[float, int | None]] = {r.token_id: (r.logprob, r.rank)}
+        for i, (t, lp) in enumerate(r.top):
+            seen[t] = (lp, i + 1)
+        lp, rank = seen[r.token_id]
+        content.append(
+            GenerateLogprobsContent(
+                token_id=r.token_id,
+                logprob=_floor(lp),
+                rank=rank or None,
+                top_logprobs=[
+                    GenerateLogprob(token_id=t, logprob=_floor(v), rank=k or None)
+                    for t, (v, k) in list(seen.items())[: max(len(r.top), 1)]
+                ],
+            )
+        )
+    return GenerateLogprobs(content=content)
+
+
+def choice_logprobs(lp: CompletionLogprobs | None) -> GenerateLogprobs | None:
+    """A node answer's logprobs (asked with `logprob_records`) in vLLM's token-id form."""
+    if lp is None:
+        return None
+    assert lp.records is not None, "the leg was not asked for logprob_records"
+    return generate_logprobs(lp.records)
+
+
 class GenerateChoice(msgspec.Struct, kw_only=True):
-    """One sample: its token ids, their logprobs when asked (chat's logprobs shape, as vLLM)."""
+    """One sample: its token ids, their logprobs when asked (vLLM's token-id form)."""
 
     index: int
     token_ids: list[int]
     finish_reason: str | None = None
-    logprobs: ChatLogprobs | None = None
+    logprobs: GenerateLogprobs | None = None
 
 
-class GenerateResponse(msgspec.Struct, kw_only=True):
-    """`/inference/v1/generate`'s answer (vLLM's `GenerateResponse`, with OpenAI's usage)."""
+class GenerateResponse(msgspec.Struct, kw_only=True, tag_field="output_mode", tag="tokens"):
+    """`/inference/v1/generate`'s answer (vLLM's `GenerateTokensResponse`: `output_mode`
+    "tokens", the tag msgspec writes on every answer)."""
 
     request_id: str
+    model: str
+    created: int
     choices: list[GenerateChoice]
     usage: Usage
     prompt_logprobs: None = None
@@ -96,10 +163,12 @@ class GenerateResponse(msgspec.Struct, kw_only=True):
     kv_transfer_params: None = None
 
 
-class GenerateChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One event of a streamed generate answer (vLLM's `GenerateStreamResponse`): a choice's
-    new token ids (their logprobs when asked, its finish reason on its last), or, last, the
-    usage with no choices."""
+class GenerateChunk(
+    msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="output_mode", tag="tokens"
+):
+    """One event of a streamed generate answer (vLLM's `GenerateTokensStreamResponse`, its
+    `output_mode` tag on each): a choice's new token ids (their logprobs when asked, its finish
+    reason on its last), or, last, the usage with no choices."""
 
     request_id: str
     choices: list[GenerateChoice]
@@ -129,6 +198,14 @@ def parse_generate(raw: bytes) -> GenerateRequest:
     if body.stream_options is not None and not body.stream:
         raise APIError(
             400, "stream_options is only allowed when stream is true", param="stream_options"
+        )
+    if body.output_mode != "tokens":
+        raise APIError(
+            400,
+            f"output_mode {body.output_mode!r} is not served here: only 'tokens' (token ids and "
+            "their logprobs by id; /v1/completions answers the same request as text)",
+            param="output_mode",
+            code="unsupported_field",
         )
     for name, neutral in (("cache_salt", None), ("priority", 0), ("features", None)):
         if getattr(body, name) != neutral:

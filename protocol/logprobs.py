@@ -3,7 +3,9 @@
 `TokenLogprob` is the log-probability of the token at a position under the model's *raw*
 distribution (log-softmax of the logits before temperature, top-k, top-p and min_tokens'
 EOS mask: vLLM's default `logprobs_mode`), plus the `top` most likely tokens there, most
-likely first. Engines, the node seam and the node's OpenAI responders share this one type.
+likely first, and the token's rank in the vocabulary (vLLM's: how many tokens are at least as
+likely, itself included, so the likeliest is 1). Engines, the node seam and the node's OpenAI
+responders share this one type.
 """
 
 from __future__ import annotations
@@ -21,3 +23,5 @@ class TokenLogprob(
     logprob: float
     #: (token id, logprob) of the most likely tokens at this position, most likely first
     top: list[tuple[int, float]] = []
+    #: how many tokens are at least as likely, itself included (None: the engine did not say)
+    rank: int | None = None

@@ -48,6 +48,9 @@ class NodeCompletionRequest(CompletionRequest, kw_only=True, omit_defaults=True)
     #: keep the prompt prefix's KV blocks a while (a client's `cache_control`,
     #: protocol/retention.py), on every leg that holds the prompt's KV; None: cache as usual
     retain: KVRetain | None = None
+    #: the answer's logprobs carry the engine's records too (`CompletionLogprobs.records`: ids
+    #: and ranks), for vLLM's token-in/token-out answer
+    logprob_records: bool = False
 
 
 class NodeCompletion(msgspec.Struct, kw_only=True, omit_defaults=True):

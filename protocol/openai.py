@@ -16,6 +16,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from protocol import limits
+from protocol.logprobs import TokenLogprob
 
 # OpenAI allows str | list[int] | list[str] | list[list[int]]; msgspec cannot express that
 # union, so the list form is checked in validate().
@@ -233,13 +234,17 @@ class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens_details: dict[str, int] | None = None  # {"cached_tokens": n}
 
 
-class CompletionLogprobs(msgspec.Struct, kw_only=True):
+class CompletionLogprobs(msgspec.Struct, kw_only=True, omit_defaults=True):
     """OpenAI's completions logprobs object (one entry per generated token)."""
 
     tokens: list[str]
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+    #: between a node and the gateway only, when the leg asks (`logprob_records`): the engine's
+    #: record of each token (its id, rank and top tokens by id, logprobs finite), which vLLM's
+    #: token-in/token-out answer is made of (protocol/generate.py). Never in a public answer.
+    records: list[TokenLogprob] | None = None
 
 
 def merge_logprobs(parts: list[CompletionLogprobs]) -> CompletionLogprobs:
@@ -249,6 +254,9 @@ def merge_logprobs(parts: list[CompletionLogprobs]) -> CompletionLogprobs:
         token_logprobs=[v for p in parts for v in p.token_logprobs],
         top_logprobs=[d for p in parts for d in p.top_logprobs],
         text_offset=[o for p in parts for o in p.text_offset],
+        records=[r for p in parts for r in p.records or ()]
+        if any(p.records is not None for p in parts)
+        else None,
     )
 
 

@@ -1,7 +1,8 @@
 """A streamed `/inference/v1/generate` answer: the pipeline's `/v1/completions` stream (its
 chunks carry their token ids: `return_token_ids`), rewritten in flight into vLLM's generate
-stream — one `GenerateChunk` per completions chunk (the new token ids, their logprobs in chat's
-shape, the finish reason), the usage chunk as one with no choices, `[DONE]` last.
+stream — one `GenerateChunk` per completions chunk (the new token ids, their logprobs by token
+id from the engine's records the legs were asked for, the finish reason), the usage chunk as
+one with no choices, `[DONE]` last.
 
 The request runs, reserves and bills exactly as the streamed completions request it is (the
 pipeline's relay counts what it wrote; this sink only changes the words), so a client gone
@@ -15,8 +16,7 @@ from __future__ import annotations
 import msgspec
 
 from gateway.serving.relay import EventSink
-from protocol.chat import chat_logprobs
-from protocol.generate import GenerateChoice, GenerateChunk
+from protocol.generate import GenerateChoice, GenerateChunk, choice_logprobs
 from protocol.openai import CompletionLogprobs, Usage
 from protocol.sse import DONE, DataLines, sse
 
@@ -81,7 +81,7 @@ class GenerateSink:
                     index=c.index,
                     token_ids=c.token_ids,
                     finish_reason=c.finish_reason,
-                    logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs),
+                    logprobs=choice_logprobs(c.logprobs),
                 )
                 for c in chunk.choices
                 if c.token_ids or c.finish_reason  # vLLM sends no chunk without either

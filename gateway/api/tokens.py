@@ -25,6 +25,7 @@ into vLLM's generate stream (gateway/api/generate_stream.py): billed once, as th
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import msgspec
 from aiohttp import web
@@ -38,13 +39,13 @@ from gateway.serving.pipeline import run
 from gateway.serving.relay import HttpEventStream
 from gateway.serving.requests import Endpoint, Request, parse_completion
 from gateway.state import GatewayState
-from protocol.chat import chat_logprobs
 from protocol.generate import (
     GenerateChoice,
     GenerateRequest,
     GenerateResponse,
     GenerateSamplingParams,
     Rendered,
+    choice_logprobs,
     parse_generate,
     sampling_kwargs,
 )
@@ -92,6 +93,8 @@ async def generate(
     first = done.choices[0] if done.choices else None
     out = GenerateResponse(
         request_id=body.request_id or request_id,
+        model=done.model,
+        created=done.created,
         usage=done.usage,
         prompt_token_ids=first.prompt_token_ids
         if body.return_token_ids and isinstance(first, TokenIdsChoice)
@@ -101,7 +104,7 @@ async def generate(
                 index=c.index,
                 token_ids=c.token_ids if isinstance(c, TokenIdsChoice) else [],
                 finish_reason=c.finish_reason,
-                logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs),
+                logprobs=choice_logprobs(c.logprobs),
             )
             for c in done.choices
         ],
@@ -161,7 +164,8 @@ def _as_completion(body: GenerateRequest) -> Request:
         **sampling_kwargs(body.sampling_params),
     )
     try:
-        return parse_completion(_ENC.encode(as_completion))
+        # its logprobs by token id, with ranks: the engine's records (vLLM's form)
+        return replace(parse_completion(_ENC.encode(as_completion)), logprob_records=True)
     except APIError as e:
         if e.param == "prompt":
             e.param = "token_ids"

@@ -158,6 +158,9 @@ class Request:
     #: the answer carries its choices' token ids and the prompt's (vLLM's `return_token_ids`;
     #: the token-in/token-out endpoint's answer is made of them)
     return_token_ids: bool = False
+    #: the answer's logprobs carry the engine's records (ids, ranks: the legs ask their nodes
+    #: for `logprob_records`), for the token-in/token-out endpoint's answer; never set by a body
+    logprob_records: bool = False
 
     def guide_on(self, closed_objects: bool) -> Guide | None:
         """The guide on a model whose `closed_objects` setting this is (gateway/config_tables.py):

@@ -22,7 +22,7 @@ def _record(tok: int, d: Any, n: int) -> TokenLogprob:
     """vLLM's {token id: Logprob} dict of one position (the chosen token plus the top n, vLLM's
     raw-logprobs default) → duet's record."""
     top = sorted(((t, float(lp.logprob)) for t, lp in d.items()), key=lambda x: -x[1])[:n]
-    return TokenLogprob(token_id=tok, logprob=float(d[tok].logprob), top=top)
+    return TokenLogprob(token_id=tok, logprob=float(d[tok].logprob), top=top, rank=d[tok].rank)
 
 
 def _records(token_ids: list[int], dicts: Any, n: int) -> list[TokenLogprob | None]:

@@ -33,6 +33,11 @@ def _check(record: TokenLogprob, row: torch.Tensor, token: int, k: int) -> None:
     assert [t for t, _ in record.top] == top_i.tolist()
     assert all(abs(v - w) < TOL for (_, v), w in zip(record.top, top_v.tolist(), strict=True))
     assert [v for _, v in record.top] == sorted((v for _, v in record.top), reverse=True)
+    # vLLM's rank: the tokens at least as likely, itself included (the oracle's fp32 differs
+    # by ~1e-7: a token within TOL of the chosen one may fall on either side)
+    v = row[token].item()
+    assert record.rank is not None
+    assert int((row > v + TOL).sum()) + 1 <= record.rank <= int((row >= v - TOL).sum())
 
 
 def _check_sampled(

@@ -5,6 +5,7 @@ same prompt token ids (the node's equal the engine's: tests/nodes/test_logprobs.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +49,23 @@ async def node_logprobs(node: Proc, ids: list[int], n: int) -> dict[str, Any]:
     ):
         assert r.status == 200, await r.text()
         return (await r.json())["choices"][0]["logprobs"]
+
+
+def _by_string(tok: Tokenizer, tops: list[dict[str, Any]]) -> list[str]:
+    """Top tokens by id as completions keys them: by string, two ids that decode alike once."""
+    return list(dict.fromkeys(tok.decode([t["token_id"]]) for t in tops))
+
+
+def _ranked(e: dict[str, Any]) -> bool:
+    """A greedy position in vLLM's token-id form: the sampled token is the likeliest (rank 1),
+    listed first among its top tokens, which are ranked 1, 2, … in falling logprob."""
+    tops = e["top_logprobs"]
+    return (
+        e["rank"] == 1
+        and (tops[0]["token_id"], tops[0]["logprob"]) == (e["token_id"], e["logprob"])
+        and [t["rank"] for t in tops] == list(range(1, len(tops) + 1))
+        and all(a["logprob"] >= b["logprob"] for a, b in itertools.pairwise(tops))
+    )
 
 
 def _close(a: list[float | None], b: list[float]) -> bool:
@@ -169,19 +187,23 @@ def test_generate_equals_completions_with_the_same_ids(
     lp = ref.choices[0].logprobs
     assert lp is not None and ref.usage is not None
     sampling = {"max_tokens": GREEDY["max_tokens"], "temperature": 0, "logprobs": 2, "top_k": -1}
-    body = {"model": model, "token_ids": ids, "sampling_params": sampling}
+    body = {"model": model, "token_ids": ids, "sampling_params": sampling, "output_mode": "tokens"}
     status, headers, out = http(g.url + "/inference/v1/generate", "POST", body, key=key)
     assert status == 200, out
     choice = out["choices"][0]
     assert len(choice["token_ids"]) == ref.usage.completion_tokens
     assert tok.decode(choice["token_ids"]) == ref.choices[0].text
     assert choice["finish_reason"] == ref.choices[0].finish_reason
+    assert out["output_mode"] == "tokens" and out["model"] == model
+    # vLLM's token-id form: the sampled token and its rank, then the top tokens by id
     content = choice["logprobs"]["content"]
-    assert [e["token"] for e in content] == lp.tokens
+    assert [e["token_id"] for e in content] == choice["token_ids"]
+    assert [tok.decode([e["token_id"]]) for e in content] == lp.tokens
     assert _close([e["logprob"] for e in content], lp.token_logprobs or [])
-    assert [[t["token"] for t in e["top_logprobs"]] for e in content] == [
+    assert [_by_string(tok, e["top_logprobs"]) for e in content] == [
         list(t or {}) for t in lp.top_logprobs or []
     ]
+    assert all(_ranked(e) for e in content)
     assert out["usage"]["prompt_tokens"] == len(ids) == ref.usage.prompt_tokens
     assert float(headers["x-duet-cost-usd"]) > 0  # billed
     # vLLM's return_token_ids on /v1/completions gives the same ids
@@ -236,11 +258,15 @@ async def test_streamed_generate_is_the_whole_answer_billed_once(
     assert [t for c in choices for t in c["token_ids"]] == want["token_ids"]
     assert len(choices) > 1 and all(c["token_ids"] for c in choices[:-1])  # one step a chunk
     assert choices[-1]["finish_reason"] == want["finish_reason"]
+    assert {e["output_mode"] for e in events} == {"tokens"}
     got_lp = [e for c in choices if c["logprobs"] for e in c["logprobs"]["content"]]
-    assert [e["token"] for e in got_lp] == [e["token"] for e in want["logprobs"]["content"]]
-    assert _close(
-        [e["logprob"] for e in got_lp], [e["logprob"] for e in want["logprobs"]["content"]]
-    )
+    want_lp = want["logprobs"]["content"]
+    assert [e["token_id"] for e in got_lp] == want["token_ids"]
+    assert [[t["token_id"] for t in e["top_logprobs"]] for e in got_lp] == [
+        [t["token_id"] for t in e["top_logprobs"]] for e in want_lp
+    ]
+    assert _close([e["logprob"] for e in got_lp], [e["logprob"] for e in want_lp])
+    assert all(_ranked(e) for e in got_lp)
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == len(
         want["token_ids"]
     )
@@ -300,6 +326,10 @@ def test_render_then_generate_equals_chat(gw: tuple[Proc, str], tiny_llama: Path
             "stream_options",
         ),
         ({"model": MODEL, "token_ids": [1], "sampling_params": {}, "priority": 3}, "priority"),
+        (
+            {"model": MODEL, "token_ids": [1], "sampling_params": {}, "output_mode": "text"},
+            "output_mode",
+        ),
     ],
 )
 def test_bad_generate_bodies_get_400(
@@ -335,8 +365,14 @@ async def test_a_nodes_generate_equals_its_completions(
     choice = out["choices"][0]
     assert len(choice["token_ids"]) == out["usage"]["completion_tokens"] == len(ref["tokens"])
     content = choice["logprobs"]["content"]
-    assert [e["token"] for e in content] == ref["tokens"]
+    tok = Tokenizer(tiny_llama)
+    assert [e["token_id"] for e in content] == choice["token_ids"]
+    assert [tok.decode([e["token_id"]]) for e in content] == ref["tokens"]
     assert _close([e["logprob"] for e in content], ref["token_logprobs"])
+    assert [_by_string(tok, e["top_logprobs"]) for e in content] == [
+        list(t) for t in ref["top_logprobs"]
+    ]
+    assert all(_ranked(e) for e in content)
     # streamed: the same ids in order, one chunk per step, the usage last when asked
     async with (
         aiohttp.ClientSession() as s,
@@ -359,9 +395,10 @@ async def test_a_nodes_generate_equals_its_completions(
     chunks = [c for e in events for c in e["choices"]]
     assert [t for c in chunks for t in c["token_ids"]] == choice["token_ids"]
     assert chunks[-1]["finish_reason"] == choice["finish_reason"]
-    assert [e["token"] for c in chunks if c["logprobs"] for e in c["logprobs"]["content"]] == (
-        ref["tokens"]
-    )
+    streamed = [e for c in chunks if c["logprobs"] for e in c["logprobs"]["content"]]
+    assert [e["token_id"] for e in streamed] == choice["token_ids"]
+    assert _close([e["logprob"] for e in streamed], ref["token_logprobs"])
+    assert all(_ranked(e) for e in streamed)
     usage = events[-1]["usage"]  # the prompt's blocks are cached by now: only the counts agree
     assert events[-1]["choices"] == [] and usage["completion_tokens"] == len(choice["token_ids"])
     assert usage["prompt_tokens"] == out["usage"]["prompt_tokens"]

@@ -79,6 +79,7 @@ def leg_request(request: Request, attempt: Attempt, leg: LegFields) -> NodeCompl
         resume=leg.resume,
         kv_source=leg.kv_source,
         retain=attempt.retain,
+        logprob_records=request.logprob_records and leg.logprobs is not None,
     )
 
 
