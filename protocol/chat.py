@@ -26,6 +26,9 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     #: an assistant turn's calls; a `role: "tool"` turn answers one of them by its id
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    #: an assistant turn's reasoning blocks as the model signed them (an Anthropic model wants
+    #: them back with its tool results); only an Anthropic provider is sent them
+    thinking_blocks: list[ThinkingBlock] | None = None
 
 
 class ChatCompletionRequest(msgspec.Struct, kw_only=True):
@@ -60,11 +63,31 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     parallel_tool_calls: bool | None = None
 
 
+class ThinkingBlock(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A model's reasoning as Anthropic's Messages API gives it, carried on chat's answer as
+    `thinking_blocks` (LiteLLM's name for the same): `thinking` with its `signature`, or
+    `redacted_thinking` with its encrypted `data`. In a stream a block comes in pieces: its
+    text (`thinking`) in order, then its `signature`; a redacted block comes whole."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None
+
+
 class ChatMessageOut(msgspec.Struct, kw_only=True):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: None = None
     tool_calls: list[ToolCall] | None = None
+
+
+class ReasonedMessage(ChatMessageOut, kw_only=True):
+    """An answer with the model's reasoning: its text as `reasoning_content` (vLLM's and
+    DeepSeek's field) and, from a model that signs it (Anthropic's), its blocks whole."""
+
+    reasoning_content: str | None = None
+    thinking_blocks: list[ThinkingBlock] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -89,6 +112,9 @@ class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    #: the reasoning's text, and its blocks' pieces (`ReasonedMessage`'s fields, streamed)
+    reasoning_content: str | None = None
+    thinking_blocks: list[ThinkingBlock] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

@@ -6,8 +6,8 @@ pipeline (gateway/serving/pipeline.py) like any `/v1/chat/completions` call (aut
 fallback, billing, every model), and translate the answer back. This module is the reading half
 they share:
 - `read_completion`: a whole chat answer (the Answer's body, a `ChatCompletion`) → `ChatAnswer`;
-- `ChatEvents`: the bytes of an OpenAI SSE stream → typed events (text, a tool call opened,
-  its argument pieces, the finish, the usage, an error, the end);
+- `ChatEvents`: the bytes of an OpenAI SSE stream → typed events (text, a reasoning block's
+  piece, a tool call opened, its argument pieces, the finish, the usage, an error, the end);
 - `TranslatingSink`: an `EventSink` that reads the chat stream as it is written and writes what
   a `Renderer` makes of its events to the client's sink instead.
 
@@ -26,7 +26,7 @@ from typing import Protocol
 import msgspec
 
 from gateway.serving.relay import EventSink
-from protocol.chat import ChatCompletion, ChatMessageOut
+from protocol.chat import ChatCompletion, ChatMessageOut, ReasonedMessage, ThinkingBlock
 from protocol.openai import ErrorDetail
 from protocol.sse import DataLines
 
@@ -45,6 +45,7 @@ class _ToolCall(msgspec.Struct, kw_only=True):
 class _Message(msgspec.Struct, kw_only=True):
     content: str | None = None
     tool_calls: list[_ToolCall] | None = None
+    thinking_blocks: list[ThinkingBlock] | None = None
 
 
 class _Choice(msgspec.Struct, kw_only=True):
@@ -112,6 +113,8 @@ class ChatAnswer(msgspec.Struct, kw_only=True):
     tool_calls: list[ToolCall]
     finish_reason: str | None
     usage: TokenCounts
+    #: the model's reasoning blocks (an Anthropic provider's, signed or redacted), in order
+    thinking: list[ThinkingBlock] = []
 
 
 def read_completion(body: object) -> ChatAnswer:
@@ -145,6 +148,7 @@ def read_completion(body: object) -> ChatAnswer:
         tool_calls=calls,
         finish_reason=c.finish_reason if c is not None else None,
         usage=usage,
+        thinking=(m.thinking_blocks or []) if isinstance(m, ReasonedMessage) else [],
     )
 
 
@@ -154,6 +158,14 @@ def read_completion(body: object) -> ChatAnswer:
 @dataclass(frozen=True)
 class Text:
     text: str
+
+
+@dataclass(frozen=True)
+class Thought:
+    """A piece of a reasoning block (protocol/chat.py `ThinkingBlock`: its text, its signature,
+    or a redacted block whole)."""
+
+    block: ThinkingBlock
 
 
 @dataclass(frozen=True)
@@ -191,7 +203,7 @@ class Done:
     pass
 
 
-ChatEvent = Text | ToolStart | ToolArgs | Finish | UsageSeen | Failed | Done
+ChatEvent = Text | Thought | ToolStart | ToolArgs | Finish | UsageSeen | Failed | Done
 
 
 @dataclass
@@ -214,6 +226,7 @@ class ChatEvents:
                 if c.index != 0:
                     continue
                 d = c.delta or _Message()
+                out.extend(Thought(t) for t in d.thinking_blocks or ())
                 if d.content:
                     out.append(Text(d.content))
                 for t in d.tool_calls or []:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from gateway.accounts.usage import Accounting
 from gateway.config import ModelConfig, Tier
 from gateway.serving.requests import Endpoint, Request
+from protocol.chat import ThinkingBlock
 from protocol.embeddings import NodeEmbeddingResponse
 from protocol.openai import APIError, CompletionLogprobs
 from protocol.retention import KVRetain
@@ -88,6 +89,10 @@ class Piece:
     #: the ids of those tokens, where the backend knows them (duet's nodes; [] otherwise): the
     #: token-in/token-out endpoint answers with them
     token_ids: list[int] = field(default_factory=list)
+    #: chat: the model's reasoning this piece carries (its text; a provider's signed blocks or
+    #: their pieces: protocol/chat.py `ThinkingBlock`)
+    reasoning: str = ""
+    thinking: list[ThinkingBlock] | None = None
 
 
 class Reply:

@@ -9,7 +9,8 @@ them: gateway/serving/features.py); the provider passes them on (OpenAI-compatib
 them (Anthropic: tools and tool results both ways; response_format, structured_outputs and
 logit_bias are refused with a 400 naming them). A streaming attempt is relayed chunk by chunk, a
 whole one is one call; the provider's tool calls come back as the pieces' `tool_calls` deltas, in
-OpenAI's stream shape.
+OpenAI's stream shape, and its reasoning (`reasoning_content`, an Anthropic model's signed
+`thinking_blocks`) as the pieces' `reasoning` and `thinking`.
 
 Errors follow the seam's contract:
 - before the first piece reached the client: `ProviderFailure`, an `APIError` that keeps the
@@ -52,6 +53,7 @@ from gateway.backends.providers.errors import ProviderError
 from gateway.backends.providers.fallback import Reason, error_trigger
 from gateway.config import ModelConfig, Tier
 from gateway.serving.requests import Endpoint, Request
+from protocol.chat import ThinkingBlock
 from protocol.openai import APIError
 from protocol.tools import ToolCallDelta
 
@@ -225,6 +227,7 @@ class ProviderBackend(Backend):
                 msg = c.get("message") or {}
                 try:
                     calls = _calls(msg.get("tool_calls"), whole=True)
+                    reasoning, thinking = _reasoning(msg)
                 except ProviderError as e:
                     raise ProviderFailure(self.model.name, e) from None
                 pieces.append(
@@ -233,6 +236,8 @@ class ProviderBackend(Backend):
                         text=str(msg.get("content") or ""),
                         finish_reason=c.get("finish_reason") or "stop",
                         tool_calls=calls,
+                        reasoning=reasoning,
+                        thinking=thinking,
                     )
                 )
             answered(out, result.usage, self.provider.name)
@@ -263,10 +268,12 @@ class ProviderBackend(Backend):
                     delta = c.get("delta") or {}
                     text, finish = delta.get("content") or "", c.get("finish_reason")
                     calls = _calls(delta.get("tool_calls"), whole=False)
-                    if not text and not finish and not calls:
+                    reasoning, thinking = _reasoning(delta)
+                    said = text or calls or reasoning or thinking
+                    if not said and not finish:
                         continue
                     i = c.get("index", 0)
-                    if text or calls:
+                    if said:
                         out.completion_tokens[i] = (
                             out.completion_tokens.get(i, 0) + 1
                         )  # refined by usage
@@ -281,7 +288,9 @@ class ProviderBackend(Backend):
                             text=text,
                             finish_reason=finish,
                             tool_calls=calls,
-                            tokens=1 if text or calls else 0,
+                            tokens=1 if said else 0,
+                            reasoning=reasoning,
+                            thinking=thinking,
                         )
                     except GeneratorExit:  # the relay closed the reply: its client left
                         await stream_abandoned(
@@ -319,6 +328,20 @@ def _unset_dropped(obj: msgspec.Struct) -> dict[str, Any]:
         for f in obj.__struct_fields__
         if (v := getattr(obj, f)) is not None
     }
+
+
+def _reasoning(msg: Any) -> tuple[str, list[ThinkingBlock] | None]:
+    """A provider's reasoning in a message or a chunk delta: its text (`reasoning_content`)
+    and its blocks (`thinking_blocks`, an Anthropic model's, translated)."""
+    text = msg.get("reasoning_content")
+    raw = msg.get("thinking_blocks")
+    try:
+        blocks = msgspec.convert(raw, list[ThinkingBlock]) if raw else None
+    except msgspec.ValidationError as e:
+        raise ProviderError(
+            502, f"the provider's thinking blocks are malformed: {e}", kind="invalid_response"
+        ) from None
+    return (text if isinstance(text, str) else ""), blocks
 
 
 def _calls(raw: Any, whole: bool) -> list[ToolCallDelta] | None:

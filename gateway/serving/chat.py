@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import msgspec
+
 from gateway.serving.constraint import VllmFields, constraint, refuse_min_tokens
 from gateway.serving.raw_body import convert, decode_json, refuse_unsupported, vllm_fields
 from gateway.serving.requests import (
@@ -27,6 +29,7 @@ from gateway.serving.requests import (
 from gateway.tools.spec import check_tools, tool_turn
 from protocol.chat import ChatCompletionRequest, ChatMessage
 from protocol.openai import APIError
+from protocol.thinking import Thinking
 
 
 def parse_chat(raw: bytes) -> Request:
@@ -38,8 +41,20 @@ def parse_chat(raw: bytes) -> Request:
         raise APIError(400, f"missing required field: {missing}", param=missing)
     body: ChatCompletionRequest = convert(data, ChatCompletionRequest)
     req = _check(body, lambda: vllm_fields(data))
+    if data.get("thinking") is not None:
+        # Anthropic's extended thinking, as LiteLLM takes it on chat: for a provider's model
+        # that reasons (features.py refuses it elsewhere); "disabled" is no thinking
+        thinking = _thinking(data["thinking"])
+        req = replace(req, thinking=thinking if thinking.on else None)
     # vLLM's return_token_ids: the answer carries the prompt's and each choice's token ids
     return replace(req, return_token_ids=True) if flag(data, "return_token_ids") else req
+
+
+def _thinking(raw: object) -> Thinking:
+    try:
+        return msgspec.convert(raw, Thinking)
+    except msgspec.ValidationError as e:
+        raise APIError(400, f"invalid thinking: {e}", param="thinking") from None
 
 
 def check_chat(body: ChatCompletionRequest, vllm: VllmFields) -> Request:
@@ -124,12 +139,26 @@ def _messages(given: list[ChatMessage]) -> list[dict[str, Any]]:
                 texts.append(part["text"])
             content = "".join(texts)
         if m.tool_calls or m.role == "tool" or m.tool_call_id is not None:
-            messages.append(tool_turn(i, m, content))
+            messages.append(_with_thought(i, m, tool_turn(i, m, content)))
             continue
         if content is None:
             raise APIError(
                 400, f"messages[{i}]: content is required", param=f"messages[{i}].content"
             )
         role = "system" if m.role == "developer" else m.role
-        messages.append({"role": role, "content": content})
+        messages.append(_with_thought(i, m, {"role": role, "content": content}))
     return messages
+
+
+def _with_thought(i: int, m: ChatMessage, out: dict[str, Any]) -> dict[str, Any]:
+    """`out` (message `i` in OpenAI's form) with the reasoning blocks an assistant turn carries
+    back (an Anthropic model's, signed: its provider is sent them; others drop them)."""
+    if m.thinking_blocks:
+        if m.role != "assistant":
+            raise APIError(
+                400,
+                f"messages[{i}]: thinking_blocks belong on an 'assistant' message",
+                param=f"messages[{i}].thinking_blocks",
+            )
+        out["thinking_blocks"] = msgspec.to_builtins(m.thinking_blocks)
+    return out

@@ -11,6 +11,7 @@ import time
 import msgspec
 
 from gateway.backends.base import Piece
+from gateway.serving.reasoning import Reasoning
 from protocol.chat import (
     ChatChoice,
     ChatChunkChoice,
@@ -109,6 +110,12 @@ class Formatter:
         self.created = int(time.time())
         self.tier = tier
         self._started: set[int] = set()
+        #: a whole chat answer's reasoning, gathered from its pieces (`reasoned`)
+        self._reasoning = Reasoning()
+
+    def reasoned(self, p: Piece) -> None:
+        """A piece of a whole answer: its reasoning kept for the answer's message."""
+        self._reasoning.add(p)
 
     def chunk(self, p: Piece) -> bytes:
         first = p.index not in self._started
@@ -123,10 +130,15 @@ class Formatter:
         )
 
     def _chat_chunk(self, p: Piece, first: bool) -> bytes:
-        # a tool-call delta carries no content (OpenAI's shape); the first opens with the role
-        content = p.text if p.text or not (p.tool_calls or p.finish_reason) else None
+        # the first opens with the role; a tool-call or reasoning delta carries no content
+        # (OpenAI's shape, vLLM's)
+        other = p.tool_calls or p.finish_reason or p.reasoning or p.thinking
         delta = ChatDelta(
-            role="assistant" if first else None, content=content, tool_calls=p.tool_calls
+            role="assistant" if first else None,
+            content=p.text if p.text or not other else None,
+            tool_calls=p.tool_calls,
+            reasoning_content=p.reasoning or None,
+            thinking_blocks=p.thinking,
         )
         choice = ChatChunkChoice(
             index=p.index, delta=delta, finish_reason=p.finish_reason, logprobs=_chat(p.logprobs)
@@ -216,7 +228,9 @@ class Formatter:
         choices = [
             ChatChoice(
                 index=i,
-                message=_message("".join(texts[i]), (calls or {}).get(i)),
+                message=self._reasoning.message(
+                    i, _message("".join(texts[i]), (calls or {}).get(i))
+                ),
                 finish_reason=finish.get(i),
                 logprobs=_chat(lps.get(i)),
             )

@@ -172,6 +172,8 @@ class Relay:
             async for p in reply:
                 texts[p.index].append(p.text)
                 ids[p.index].extend(p.token_ids)
+                if p.reasoning or p.thinking:
+                    self.fmt.reasoned(p)
                 if p.logprobs is not None:
                     logprobs.setdefault(p.index, []).append(p.logprobs)
                 if p.tool_calls:

@@ -62,6 +62,7 @@ CHAT_FIELDS = COMMON | {
     "tool_choice",
     "parallel_tool_calls",
     "return_token_ids",
+    "thinking",
 }
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "return_token_ids"}
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}

@@ -391,7 +391,10 @@ class FakeProvider:
         parts = [w if i == 0 else " " + w for i, w in enumerate(words)]
         # extended thinking: a thinking block (with its signature) before the text, as the API
         thought = (
-            [{"type": "thinking", "thinking": "let me see", "signature": "sig-fake"}]
+            [
+                {"type": "thinking", "thinking": "let me see", "signature": "sig-fake"},
+                {"type": "redacted_thinking", "data": "enc-fake"},
+            ]
             if (body.get("thinking") or {}).get("type") in ("enabled", "adaptive")
             else []
         )
@@ -430,7 +433,7 @@ class FakeProvider:
                     },
                 },
             ),
-            *(_thinking_events(thought[0]) if thought else []),
+            *(_thinking_events(thought) if thought else []),
             _sse(
                 "content_block_start",
                 {
@@ -638,10 +641,14 @@ def _as_openai(body: dict[str, Any]) -> dict[str, Any]:
     return {**body, "messages": msgs}
 
 
-def _thinking_events(block: dict[str, Any]) -> list[bytes]:
-    """A thinking block streamed as the API streams it (index 0): its text, then its signature."""
+def _thinking_events(blocks: list[dict[str, Any]]) -> list[bytes]:
+    """A thinking block and a redacted one streamed as the API streams them (index 0: its text
+    in two pieces, then its signature; index 1: whole in its start)."""
+    block, redacted = blocks
+    text = block["thinking"]
     deltas = [
-        {"type": "thinking_delta", "thinking": block["thinking"]},
+        {"type": "thinking_delta", "thinking": text[:3]},
+        {"type": "thinking_delta", "thinking": text[3:]},
         {"type": "signature_delta", "signature": block["signature"]},
     ]
     return [
@@ -658,7 +665,19 @@ def _thinking_events(block: dict[str, Any]) -> list[bytes]:
             for d in deltas
         ),
         _sse("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        _sse(
+            "content_block_start",
+            {"type": "content_block_start", "index": 1, "content_block": redacted},
+        ),
+        _sse("content_block_stop", {"type": "content_block_stop", "index": 1}),
     ]
+
+
+def _is_thought(b: dict[str, Any]) -> bool:
+    """A reasoning block as the API takes it back: signed thinking, or redacted."""
+    if b.get("type") == "thinking":
+        return isinstance(b.get("thinking"), str) and isinstance(b.get("signature"), str)
+    return b.get("type") == "redacted_thinking" and isinstance(b.get("data"), str)
 
 
 def _anthropic_problem(body: dict[str, Any] | None) -> str | None:
@@ -684,7 +703,11 @@ def _anthropic_problem(body: dict[str, Any] | None) -> str | None:
             isinstance(c, list)
             and all(
                 isinstance(b, dict)
-                and b.get("type") in ("text", "image", "tool_use", "tool_result")
+                and (
+                    b.get("type") in ("text", "image", "tool_use", "tool_result")
+                    # an earlier answer's reasoning, sent back in its assistant turn
+                    or (m.get("role") == "assistant" and _is_thought(b))
+                )
                 for b in c
             )
         ):

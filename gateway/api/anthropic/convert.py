@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 
+import msgspec
+from msgspec.structs import replace
+
 from gateway.api.anthropic.cache_marks import retain_mark
 from gateway.api.anthropic.wire import (
     Block,
@@ -14,8 +17,11 @@ from gateway.api.anthropic.wire import (
     ImageBlock,
     Message,
     MessagesRequest,
+    OutBlock,
+    RedactedThinkingOut,
     TextBlock,
     TextOut,
+    ThinkingOut,
     ToolResultBlock,
     ToolUseBlock,
     ToolUseOut,
@@ -37,7 +43,7 @@ from gateway.backends.providers.anthropic_shapes import (
     input_tokens,
 )
 from gateway.serving.constraint import Names
-from protocol.chat import ChatCompletionRequest, ChatMessage
+from protocol.chat import ChatCompletionRequest, ChatMessage, ThinkingBlock
 from protocol.openai import APIError, StreamOptions
 from protocol.structured import JSONSchemaFormat, ResponseFormat
 from protocol.tools import (
@@ -87,9 +93,14 @@ def _turn(role: str, content: str | list[Block], out: list[ChatMessage]) -> None
         return
     parts: list[TextBlock | ImageBlock] = []
     calls: list[ToolCall] = []
+    thought: list[ThinkingBlock] = []
     results = 0
     for b in content:
-        if isinstance(b, ToolResultBlock):
+        if isinstance(b, ThinkingOut | RedactedThinkingOut):
+            if role != "assistant":
+                raise APIError(400, f"{_kind(b)} blocks belong in an assistant turn")
+            thought.append(msgspec.convert(msgspec.to_builtins(b), ThinkingBlock))
+        elif isinstance(b, ToolResultBlock):
             results += 1
             if role != "user":
                 raise APIError(400, "tool_result blocks belong in a user turn")
@@ -104,10 +115,16 @@ def _turn(role: str, content: str | list[Block], out: list[ChatMessage]) -> None
             )
         else:
             parts.append(b)
+    blocks = thought or None
     if parts or not (calls or results):
-        append(out, ChatMessage(role=role, content=_parts(parts), tool_calls=calls or None))
+        m = ChatMessage(role=role, content=_parts(parts), tool_calls=calls or None)
+        append(out, replace(m, thinking_blocks=blocks))
     elif calls:
-        append(out, ChatMessage(role="assistant", tool_calls=calls))
+        append(out, ChatMessage(role="assistant", tool_calls=calls, thinking_blocks=blocks))
+
+
+def _kind(b: ThinkingOut | RedactedThinkingOut) -> str:
+    return "thinking" if isinstance(b, ThinkingOut) else "redacted_thinking"
 
 
 def to_chat(body: MessagesRequest) -> TranslatedChat:
@@ -192,13 +209,21 @@ def tool_input(arguments: str) -> dict[str, object]:
     return v if isinstance(v, dict) else {"value": v}
 
 
+def thinking_out(b: ThinkingBlock) -> ThinkingOut | RedactedThinkingOut:
+    """A reasoning block of the chat answer as the Messages API's block."""
+    if b.type == "redacted_thinking":
+        return RedactedThinkingOut(data=b.data or "")
+    return ThinkingOut(thinking=b.thinking or "", signature=b.signature or "")
+
+
 def to_message(a: ChatAnswer, msg_id: str, model: str) -> Message:
-    content: list[TextOut | ToolUseOut] = [
+    content: list[OutBlock] = [
         ToolUseOut(id=c.id, name=c.name, input=tool_input(c.arguments)) for c in a.tool_calls
     ]
     text = a.text
     if text or not content:
         content.insert(0, TextOut(text=text))
+    content[:0] = [thinking_out(b) for b in a.thinking]  # the reasoning comes first
     stop = FINISH_REASONS.get(a.finish_reason or "stop", "end_turn")
     if stop == "tool_use" and not any(isinstance(b, ToolUseOut) for b in content):
         stop = "end_turn"

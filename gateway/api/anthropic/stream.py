@@ -2,7 +2,8 @@
 message_start, content_block_start / _delta / _stop per block, message_delta with the stop
 reason and the usage, message_stop; an `error` event for a failure after the stream opened.
 
-A tool call's arguments that begin as a JSON object stream as they come (`input_json_delta`);
+A reasoning block streams as the provider streamed it (`thinking_delta`s, then its
+`signature_delta`; a redacted block whole in its start). A tool call's arguments that begin as a JSON object stream as they come (`input_json_delta`);
 others (convert.py `tool_input` wraps them as `{"value": …}`) are held and sent as one delta
 when their block closes, so the streamed `input` is the whole answer's.
 """
@@ -23,10 +24,15 @@ from gateway.api.anthropic.wire import (
     MessageDelta,
     MessageStart,
     MessageStop,
+    OutBlock,
+    RedactedThinkingOut,
+    SignatureDelta,
     StopInfo,
     StreamEvent,
     TextDelta,
     TextOut,
+    ThinkingDelta,
+    ThinkingOut,
     ToolUseOut,
     Usage,
     sse,
@@ -37,12 +43,14 @@ from gateway.api.chat_answer import (
     Failed,
     Finish,
     Text,
+    Thought,
     TokenCounts,
     ToolArgs,
     ToolStart,
     UsageSeen,
 )
 from gateway.backends.providers.anthropic_shapes import FINISH_REASONS, error_type_of
+from protocol.chat import ThinkingBlock
 
 
 class MessageStream:
@@ -53,6 +61,8 @@ class MessageStream:
         self._started = False
         self._block: int | None = None  # the open block's index
         self._text_open = False
+        #: the open block is a thinking block whose signature (its last piece) has not come
+        self._thinking_open = False
         self._blocks = 0
         self._tool_block: dict[int, int] = {}  # tool call index → its block
         self._held: dict[int, str] = {}  # a tool block → its arguments, not yet known an object
@@ -75,9 +85,9 @@ class MessageStream:
                 )
         if self._block is not None:
             out.append(BlockStop(index=self._block))
-            self._block, self._text_open = None, False
+            self._block, self._text_open, self._thinking_open = None, False, False
 
-    def _open(self, block: TextOut | ToolUseOut, out: list[StreamEvent]) -> int:
+    def _open(self, block: OutBlock, out: list[StreamEvent]) -> int:
         self._close(out)
         self._block, self._blocks = self._blocks, self._blocks + 1
         out.append(BlockStart(index=self._block, content_block=block))
@@ -93,6 +103,22 @@ class MessageStream:
             self._passing.add(block)
             delta = held
         out.append(BlockDelta(index=block, delta=InputJsonDelta(partial_json=delta)))
+
+    def _thought(self, b: ThinkingBlock, out: list[StreamEvent]) -> None:
+        """A reasoning block's piece: its text continues the open thinking block (or opens
+        one), its signature ends it; a redacted block is a block of its own, whole."""
+        if b.type == "redacted_thinking":
+            self._open(RedactedThinkingOut(data=b.data or ""), out)
+            return
+        if not self._thinking_open:
+            self._open(ThinkingOut(thinking="", signature=""), out)
+            self._thinking_open = True
+        at = self._block or 0
+        if b.thinking:
+            out.append(BlockDelta(index=at, delta=ThinkingDelta(thinking=b.thinking)))
+        if b.signature is not None:
+            out.append(BlockDelta(index=at, delta=SignatureDelta(signature=b.signature)))
+            self._thinking_open = False  # signed: the next piece of reasoning is a new block
 
     def render(self, events: list[ChatEvent]) -> bytes:
         out: list[StreamEvent] = []
@@ -111,7 +137,9 @@ class MessageStream:
                         )
                     )
                 )
-            if isinstance(ev, Text):
+            if isinstance(ev, Thought):
+                self._thought(ev.block, out)
+            elif isinstance(ev, Text):
                 if not self._text_open:
                     self._open(TextOut(text=""), out)
                     self._text_open = True

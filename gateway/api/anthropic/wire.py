@@ -63,7 +63,25 @@ class ToolResultBlock(Cacheable, kw_only=True, tag="tool_result", tag_field="typ
     is_error: bool = False
 
 
-Block = TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock
+class ThinkingOut(msgspec.Struct, kw_only=True, tag="thinking", tag_field="type"):
+    """A reasoning block as the provider's model signed it (the client sends it back as is)."""
+
+    thinking: str
+    signature: str
+
+
+class RedactedThinkingOut(msgspec.Struct, kw_only=True, tag="redacted_thinking", tag_field="type"):
+    data: str
+
+
+Block = (
+    TextBlock
+    | ImageBlock
+    | ToolUseBlock
+    | ToolResultBlock
+    | ThinkingOut  # an earlier answer's reasoning, sent back in its assistant turn
+    | RedactedThinkingOut
+)
 
 
 class InputMessage(msgspec.Struct, kw_only=True):
@@ -161,6 +179,10 @@ class ToolUseOut(msgspec.Struct, kw_only=True, tag="tool_use", tag_field="type")
     input: dict[str, Any]
 
 
+#: a block of an answer
+OutBlock = ThinkingOut | RedactedThinkingOut | TextOut | ToolUseOut
+
+
 class Usage(msgspec.Struct, kw_only=True):
     input_tokens: int
     output_tokens: int
@@ -173,7 +195,7 @@ class Message(msgspec.Struct, kw_only=True):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextOut | ToolUseOut]
+    content: list[OutBlock]
     stop_reason: str | None = None
     stop_sequence: str | None = None
     usage: Usage
@@ -200,7 +222,7 @@ class MessageStart(msgspec.Struct, kw_only=True, tag="message_start", tag_field=
 
 class BlockStart(msgspec.Struct, kw_only=True, tag="content_block_start", tag_field="type"):
     index: int
-    content_block: TextOut | ToolUseOut
+    content_block: OutBlock
 
 
 class TextDelta(msgspec.Struct, kw_only=True, tag="text_delta", tag_field="type"):
@@ -211,9 +233,17 @@ class InputJsonDelta(msgspec.Struct, kw_only=True, tag="input_json_delta", tag_f
     partial_json: str
 
 
+class ThinkingDelta(msgspec.Struct, kw_only=True, tag="thinking_delta", tag_field="type"):
+    thinking: str
+
+
+class SignatureDelta(msgspec.Struct, kw_only=True, tag="signature_delta", tag_field="type"):
+    signature: str
+
+
 class BlockDelta(msgspec.Struct, kw_only=True, tag="content_block_delta", tag_field="type"):
     index: int
-    delta: TextDelta | InputJsonDelta
+    delta: TextDelta | InputJsonDelta | ThinkingDelta | SignatureDelta
 
 
 class BlockStop(msgspec.Struct, kw_only=True, tag="content_block_stop", tag_field="type"):

@@ -174,15 +174,20 @@ def finish(r: Response, finish: str | None, usage: TokenCounts) -> None:
         r.status, r.incomplete_details = "incomplete", IncompleteDetails(reason="max_output_tokens")
     elif finish == "content_filter":
         r.status, r.incomplete_details = "incomplete", IncompleteDetails(reason="content_filter")
+    elif finish == "pause_turn":  # the turn did not end: the client continues it
+        r.status, r.incomplete_details = "incomplete", IncompleteDetails(reason="pause_turn")
     else:
         r.status = "completed"
 
 
+def item_status(finish: str | None) -> Literal["completed", "incomplete"]:
+    """An output item's status: incomplete where the answer was cut or its turn paused."""
+    return "incomplete" if finish in ("length", "pause_turn") else "completed"
+
+
 def to_response(a: ChatAnswer, rid: str, body: ResponsesRequest, model: str) -> Response:
     r = shell(rid, body, model, int(time.time()))
-    done: Literal["completed", "incomplete"] = (
-        "incomplete" if a.finish_reason == "length" else "completed"
-    )
+    done = item_status(a.finish_reason)
     if a.text:
         r.output.append(
             OutputMessage(id=f"msg_{rid}", status=done, content=[OutputTextPart(text=a.text)])

@@ -9,7 +9,7 @@ event for a failure after the stream opened.
 from __future__ import annotations
 
 import time
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import msgspec
 
@@ -24,7 +24,7 @@ from gateway.api.chat_answer import (
     ToolStart,
     UsageSeen,
 )
-from gateway.api.responses.convert import finish, shell
+from gateway.api.responses.convert import finish, item_status, shell
 from gateway.api.responses.wire import (
     ArgsDelta,
     ArgsDone,
@@ -78,9 +78,7 @@ class ResponseStream:
         item, self._open, i = self._open, None, self._open_at
         if item is None:
             return
-        status: Literal["completed", "incomplete"] = (
-            "incomplete" if self._finish == "length" else "completed"
-        )
+        status = item_status(self._finish)
         if isinstance(item, OutputMessage):
             part = item.content[0]
             out.append(

@@ -157,7 +157,9 @@ class ResponseUsage(msgspec.Struct, kw_only=True):
 
 
 class IncompleteDetails(msgspec.Struct, kw_only=True):
-    reason: Literal["max_output_tokens", "content_filter"]
+    #: OpenAI's reasons, and Anthropic's `pause_turn` (a provider paused a long turn: the
+    #: client sends the conversation again to continue it; OpenAI's API has no such stop)
+    reason: Literal["max_output_tokens", "content_filter", "pause_turn"]
 
 
 class Response(msgspec.Struct, kw_only=True):

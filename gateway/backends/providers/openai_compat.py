@@ -72,6 +72,11 @@ class OpenAIProvider(Provider):
 
     def _payload(self, body: dict[str, Any], stream: bool) -> dict[str, Any]:
         out = {k: v for k, v in body.items() if k in FORWARDED}
+        if any("thinking_blocks" in m for m in out.get("messages") or ()):
+            # an Anthropic model's signed reasoning: no OpenAI-compatible API takes it back
+            out["messages"] = [
+                {k: v for k, v in m.items() if k != "thinking_blocks"} for m in out["messages"]
+            ]
         out["model"] = self.config.upstream_model
         if stream:
             out["stream"] = True

@@ -1,7 +1,8 @@
 """OpenAI chat completions ↔ Anthropic Messages, both ways, as pure functions.
 
 Requests: system/developer messages → `system`; user/assistant turns → `messages` (content
-parts: text and images); assistant `tool_calls` → `tool_use` blocks; `tool` messages →
+parts: text and images); assistant `tool_calls` → `tool_use` blocks, its `thinking_blocks`
+(an earlier answer's reasoning) → `thinking`/`redacted_thinking` blocks first; `tool` messages →
 `tool_result` blocks in a user turn; consecutive turns of one role are merged (Anthropic wants
 them alternating); `max_tokens` (required by Anthropic) defaults to the provider's
 `default_max_tokens`; `stop` → `stop_sequences`; tools and tool_choice are mapped; OpenAI's
@@ -212,8 +213,18 @@ def _image(spec: Any, i: int) -> dict[str, Any]:
     raise _bad(f"messages[{i}]: image URLs must be https:// or data: URLs")
 
 
+#: the fields of a reasoning block the Messages API takes back, by its type
+_THOUGHT_FIELDS = {"thinking": ("thinking", "signature"), "redacted_thinking": ("data",)}
+
+
 def _assistant_blocks(m: dict[str, Any], i: int) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
+    # the turn's reasoning blocks first, as the model gave them (signed: sent back unchanged)
+    for b in m.get("thinking_blocks") or []:
+        keep = _THOUGHT_FIELDS.get(str(b.get("type"))) if isinstance(b, dict) else None
+        if keep is None:
+            raise _bad(f"messages[{i}].thinking_blocks: a block of an unknown type")
+        blocks.append({"type": b["type"], **{k: b.get(k) or "" for k in keep}})
     text = _text_only(m.get("content"), i)
     if text:
         blocks.append({"type": "text", "text": text})

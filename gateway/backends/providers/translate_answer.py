@@ -4,7 +4,10 @@ translate.py).
 A Message → a chat.completion (`from_anthropic`); the SSE events `message_start`,
 `content_block_start/delta/stop`, `message_delta`, `message_stop`, `ping` and `error` → OpenAI
 chunks (`AnthropicStreamTranslator`); usage (cache reads and writes count as prompt tokens,
-reads as cached tokens); stop reasons (`STOP_REASONS`).
+reads as cached tokens); stop reasons (`STOP_REASONS`). Thinking and redacted_thinking blocks
+become the message's `reasoning_content` (their text) and `thinking_blocks` (the blocks as
+they came, signatures and encrypted data included: LiteLLM's mapping); streamed, a
+`thinking_delta` is a chunk with both, a `signature_delta` one with the block's signature.
 """
 
 from __future__ import annotations
@@ -42,10 +45,13 @@ def from_anthropic(msg: Any) -> tuple[dict[str, Any], TokenUsage]:
         )
     text: list[str] = []
     calls: list[dict[str, Any]] = []
+    thought: list[dict[str, Any]] = []
     for b in msg["content"]:
         if not isinstance(b, dict):
             continue
-        if b.get("type") == "text":
+        if b.get("type") in ("thinking", "redacted_thinking"):
+            thought.append(b)
+        elif b.get("type") == "text":
             text.append(str(b.get("text", "")))
         elif b.get("type") == "tool_use":
             calls.append(
@@ -65,6 +71,9 @@ def from_anthropic(msg: Any) -> tuple[dict[str, Any], TokenUsage]:
     }
     if calls:
         message["tool_calls"] = calls
+    if thought:  # the reasoning: its text, and its blocks as they came (signed, or redacted)
+        message["reasoning_content"] = "".join(str(b.get("thinking") or "") for b in thought)
+        message["thinking_blocks"] = thought
     usage = anthropic_usage(msg.get("usage"))
     completion = {
         "id": f"chatcmpl-{msg.get('id', '')}",
@@ -174,6 +183,8 @@ class AnthropicStreamTranslator:
                 ]
             if b.get("type") == "text" and b.get("text"):
                 return [self._chunk({"content": b["text"]})]
+            if b.get("type") == "redacted_thinking":  # comes whole, in its start
+                return [self._chunk({"thinking_blocks": [b]})]
             return []
         if kind == "content_block_delta":
             delta = _obj(d.get("delta"))
@@ -193,7 +204,14 @@ class AnthropicStreamTranslator:
                         }
                     )
                 ]
-            return []  # thinking / signature deltas have no OpenAI chunk
+            if delta.get("type") == "thinking_delta":
+                t = str(delta.get("thinking", ""))
+                block = {"type": "thinking", "thinking": t}
+                return [self._chunk({"reasoning_content": t, "thinking_blocks": [block]})]
+            if delta.get("type") == "signature_delta":  # the thinking block's end
+                block = {"type": "thinking", "signature": str(delta.get("signature", ""))}
+                return [self._chunk({"thinking_blocks": [block]})]
+            return []
         if kind == "message_delta":
             delta = _obj(d.get("delta"))
             counts = _obj(d.get("usage"))
