@@ -194,8 +194,8 @@ def token_logprobs(
     logits: torch.Tensor, token_ids: list[int], num_top: list[int]
 ) -> list[TokenLogprob]:
     """Row r: the logprob of `token_ids[r]`, its rank and the `num_top[r]` most likely tokens,
-    from the log-softmax of the raw logits in fp32 (the model's distribution before temperature, top-k,
-    top-p and min_tokens' EOS mask: vLLM's default `logprobs_mode`, so a value does not
+    from the log-softmax of the raw logits in fp32 (the model's distribution before temperature,
+    top-k, top-p and min_tokens' EOS mask: vLLM's default `logprobs_mode`, so a value does not
     change with how the token was chosen)."""
     if not token_ids:
         return []

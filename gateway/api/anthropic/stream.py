@@ -3,9 +3,10 @@ message_start, content_block_start / _delta / _stop per block, message_delta wit
 reason and the usage, message_stop; an `error` event for a failure after the stream opened.
 
 A reasoning block streams as the provider streamed it (`thinking_delta`s, then its
-`signature_delta`; a redacted block whole in its start). A tool call's arguments that begin as a JSON object stream as they come (`input_json_delta`);
-others (convert.py `tool_input` wraps them as `{"value": …}`) are held and sent as one delta
-when their block closes, so the streamed `input` is the whole answer's.
+`signature_delta`; a redacted block whole in its start). A tool call's arguments that begin
+as a JSON object stream as they come (`input_json_delta`); others (convert.py `tool_input`
+wraps them as `{"value": …}`) are held and sent as one delta when their block closes, so the
+streamed `input` is the whole answer's.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ with a 400 that says what and why, never ignored.
   other is a 400 naming it, so a client never believes a feature is on that is not.
 - `thinking`: passed to an Anthropic provider's model whose `[models.X] features` list
   `thinking` (the provider reasons; its thinking and redacted_thinking blocks come back
-  intact, whole and streamed, and go back to it from an assistant turn); for any other model — every self-hosted one — anything but
-  `{"type": "disabled"}` is a 400 naming the model (an absent or disabled `thinking` is taken).
+  intact, whole and streamed, and go back to it from an assistant turn); for any other
+  model — every self-hosted one — anything but `{"type": "disabled"}` is a 400 naming the
+  model (an absent or disabled `thinking` is taken).
 - image blocks (in a message or a `tool_result`): no model duet serves takes image input, so an
   image is a 400 naming the model and where the block is (`messages.0.content.1`), in the API's
   own words, before any other work.
