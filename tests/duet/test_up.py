@@ -106,6 +106,48 @@ def _metrics_show_no_team_without_a_credential(url: str, home: Path, team_key: s
         assert f'team="{DEV_TEAM}"' in r.read().decode()  # the labels are there, behind the key
 
 
+def _node_metrics_match_status(home: Path) -> None:
+    """Each node's `vllm:*` metrics (what an endpoint picker scrapes) say what `duet status`
+    shows for that node: waiting, running and KV use. Status reads the coordinator's last load
+    frame, so the two agree once a frame after the last request has arrived: wait for that."""
+    secret = (home / "up" / "cluster.secret").read_text().strip()
+    names = {
+        "waiting": "vllm:num_requests_waiting",
+        "running": "vllm:num_requests_running",
+        "kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
+    }
+
+    def pairs() -> list[tuple[str, str, float, float]]:
+        status = subprocess.run(
+            [sys.executable, "-m", "duet", "status", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "DUET_HOME": str(home)},
+        )
+        assert status.returncode == 0, status.stderr
+        out = []
+        for n in json.loads(status.stdout)["cluster"]["nodes"]:
+            req = urllib.request.Request(
+                n["url"] + "/metrics", headers={"Authorization": f"Bearer {secret}"}
+            )
+            text = urllib.request.urlopen(req, timeout=10).read().decode()
+            for field, name in names.items():
+                found = re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
+                assert len(found) == 1, (name, text)
+                out.append((n["node_id"], field, float(n["load"][field]), float(found[0])))
+        return out
+
+    deadline = time.monotonic() + 30
+    while True:
+        seen = pairs()
+        if all(abs(a - b) < 1e-9 for _, _, a, b in seen) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert all(abs(a - b) < 1e-9 for _, _, a, b in seen), seen
+    assert {node for node, *_ in seen} == {"prefill-0", "decode-0"}
+
+
 def test_up_fresh_home_openai_restart_keeps_usage_and_sigint_leaves_nothing(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
@@ -175,6 +217,7 @@ def test_up_fresh_home_openai_restart_keeps_usage_and_sigint_leaves_nothing(
             ("decode-0", "decode"),
         }
         assert info["cluster"]["leader"] == "coordinator-0" and info["gateway"]["status"] == "ok"
+        _node_metrics_match_status(home)
         # One duet up per DUET_HOME.
         second = subprocess.run(
             [
