@@ -12,10 +12,10 @@ transformers. Without kernels (CUDA, no compiler, DUET_DISABLE_KERNELS=1) everyt
 decodes gather their blocks into a padded batch with a length mask, a chunk after a cached
 prefix gathers its sequence's blocks with an offset causal mask.
 
-An int8 pool (engine/kv_quant.py) is read on the torch paths only: the gathered rows are
-dequantized to the activations' dtype before SDPA. A prefill chunk with no cached prefix attends
-to its own unquantized K/V, so only keys read back from the pool carry
-the quantization error.
+An int8 pool (engine/kv_quant.py): decodes attend through the kernel's int8 paths, prefill
+chunks on SDPA (the model's `kernel_prefill` is off), whose gathered rows are dequantized to the
+activations' dtype. A prefill chunk with no cached prefix attends to its own unquantized K/V, so
+only keys read back from the pool carry the quantization error.
 
 Invariant: the new tokens' K/V are written into their slots before attention reads the pool,
 so a chunk attends to itself and to every earlier token of its sequence.

@@ -11,6 +11,8 @@ import ctypes
 
 import torch
 
+from engine import kv_quant
+
 
 class StepStruct(ctypes.Structure):
     _fields_ = [
@@ -35,6 +37,7 @@ class StepStruct(ctypes.Structure):
         ("max_ctx", ctypes.c_int32),
         ("bf16", ctypes.c_int32),
         ("scale", ctypes.c_float),
+        ("kv_int8", ctypes.c_int32),
     ]
 
 
@@ -43,7 +46,7 @@ class KernelStep:
 
     def __init__(
         self,
-        kv_cache: torch.Tensor,  # [num_blocks, layers, 2, block_size, KVH, D]
+        kv_cache: torch.Tensor,  # [num_blocks, layers, 2, block_size, KVH, D (+ 4: int8)]
         block_tables: torch.Tensor,  # [rows, width] int64
         token_row: torch.Tensor,  # [T] int32
         ctx_lens: torch.Tensor,  # [T] int32
@@ -67,7 +70,11 @@ class KernelStep:
             cos,
             sin,
         )
-        _, _, _, bs, kvh, dim = kv_cache.shape
+        _, _, _, bs, kvh, _ = kv_cache.shape
+        # an int8 pool's rows carry their scale past head_dim; the activations' dtype is cos's
+        int8 = kv_quant.is_quantized(kv_cache)
+        dim = kv_quant.head_dim(kv_cache)
+        bf16 = (cos if int8 else kv_cache).dtype == torch.bfloat16
         self.struct = StepStruct(
             kv_cache.data_ptr(),
             kv_cache.stride(1),
@@ -88,7 +95,8 @@ class KernelStep:
             bs,
             window or 0,
             max_ctx,
-            int(kv_cache.dtype == torch.bfloat16),
+            int(bf16),
             dim**-0.5,
+            int(int8),
         )
         self.ptr = ctypes.addressof(self.struct)

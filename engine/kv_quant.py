@@ -8,22 +8,19 @@ row has scale 0 and reads back as zeros). Keeping the scale inside the row keeps
 contiguous byte range: transfers, spill tiers and digests move and cover the scales without
 knowing they are there.
 
-The rows are written by the torch store step (engine/rope.py) and read by the torch attention
-paths (engine/attention.py, engine/models/softcap.py); the CPU kernels read only a float pool
-(engine/model.py says so at start, and under strict mode refuses).
+The rows are written by the `rope_store` kernel (engine/kernels/rope_store.c, the same bytes as
+`quantize`) or the torch store step (engine/rope.py), and read by the decode attention kernel
+(engine/kernels/attention_int8.h) or the torch attention paths (engine/attention.py: prefill
+chunks, and every step without kernels; engine/models/softcap.py).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Protocol
 
 import torch
 
 from protocol.kv_layout import SCALE_BYTES
-from runtime.strict import fallback
-
-log = logging.getLogger(__name__)
 
 #: what the native engine's pool stores (`--kv-cache-dtype`; auto: the model's own dtype)
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "int8")
@@ -78,20 +75,13 @@ def read(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _KernelModel(Protocol):
-    kernels: object
-    kv_kernels: bool
+    kv_int8: bool
 
 
-def kv_int8_on_torch(model: _KernelModel) -> None:
-    """An int8 pool under a model on the CPU kernels: its K/V store and attention go to torch
-    ops (the norms, activations and linears stay on the kernels). The attention kernels read only
-    a float pool, so this is a fallback: one warning, and in strict mode (CI=true) an error at
-    start, never a silent change of path (DUET_DISABLE_KERNELS=1 is the deliberate way)."""
-    if getattr(model, "kernels", None) is None:
-        return
-    fallback(
-        log,
-        "the CPU attention kernels do not read an int8 KV pool (--kv-cache-dtype int8)",
-        "torch attention over the int8 pool",
-    )
-    model.kv_kernels = False
+def kv_int8_pool(model: _KernelModel) -> None:
+    """`model` runs over an int8 pool. On the CPU kernels its K/V rows are quantized by
+    `rope_store` (these bytes, bitwise) and decode tokens attend through `paged_attention`'s int8
+    paths (engine/kernels/attention_int8.h). Prefill chunks attend on SDPA: a chunk with no cached
+    prefix then reads its own K/V unquantized, as the torch path does (the blocked prefill
+    kernels read float pools only)."""
+    model.kv_int8 = True

@@ -92,9 +92,8 @@ class LlamaModel:
         #: None: every step on torch ops (what the flags below derive from, so a test may set
         #: it to None on a built model and get the torch path whole)
         self.kernels = kernels_lib() if usable else None
-        #: False: K/V are stored and attention read by torch ops though other kernels run (an
-        #: int8 pool, which the attention kernels do not read: engine/kv_quant.py)
-        self.kv_kernels = True
+        #: an int8 KV pool (engine/kv_quant.py::kv_int8_pool): prefill chunks attend on SDPA
+        self.kv_int8 = False
         #: bf16 engines keep the residual stream in fp32 (see the module docstring)
         self.res32 = dtype == torch.bfloat16
         self.dtype = dtype
@@ -143,7 +142,7 @@ class LlamaModel:
     @property
     def kernel_prefill(self) -> bool:
         """Prefill attention runs on the kernels (`prefill_on_kernels`)."""
-        return self.kernels is not None and self._prefill_isa
+        return self.kernels is not None and self._prefill_isa and not self.kv_int8
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one single-stream decode step reads: every layer's linears and norms,
@@ -284,7 +283,7 @@ class LlamaModel:
         """The final hidden states (after the final norm) of `rows` of the step (None: every
         token): what the logits head reads, and what embeddings pool (engine/embed.py); fp32 in
         fp32 and bf16 engines."""
-        lib = self.kernels if self.kv_kernels else None  # rope/store and attention
+        lib = self.kernels
         ptr = 0
         step = None
         cos = sin = None

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import build_metadata
-from engine.kv_quant import kv_int8_on_torch
+from engine.kv_quant import kv_int8_pool
 from engine.lora.slots import LoraSlots
 from engine.model_config import ModelConfig
 from engine.models import BuildSpec, build_model
@@ -92,7 +92,7 @@ class ModelRunner:
                 f"{self.kv_cache.dtype}, expected {expected} {want}"
             )
         if self.kv_layout.dtype == "int8":
-            kv_int8_on_torch(self.model)
+            kv_int8_pool(self.model)
 
     def execute(
         self, chunks: list[ScheduledChunk]

@@ -105,9 +105,9 @@ def rebuild_model(runner: ModelRunner) -> None:
 
     runner.model = build_model(runner.build_spec)
     if runner.kv_layout.dtype == "int8":
-        from engine.kv_quant import kv_int8_on_torch
+        from engine.kv_quant import kv_int8_pool
 
-        kv_int8_on_torch(runner.model)
+        kv_int8_pool(runner.model)
     lora = getattr(runner, "lora", None)
     if lora is not None:
         lora.attach(runner.model)

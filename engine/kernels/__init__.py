@@ -59,6 +59,7 @@ _HEADERS = (
     "vec8.h",
     "step.h",
     "attention_parts.h",
+    "attention_int8.h",
     "qgemm.h",
     "qgemm_bf16.h",
     "qgemm_f32.h",

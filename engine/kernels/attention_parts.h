@@ -20,10 +20,14 @@ typedef struct {
     int bs, blk, off;
 } RowIter;
 
+/* Bytes of one pool element, and elements of one kv head's row (int8: the values, then the scale). */
+INLINE int64_t kv_esz(const Step *s) { return s->kv_int8 ? 1 : s->bf16 ? 2 : 4; }
+INLINE int64_t kv_row(const Step *s) { return s->head_dim + (s->kv_int8 ? 4 : 0); }
+
 INLINE void rows_init(RowIter *it, const Step *s, int layer, int row, int kh, int kv, int start) {
-    const int64_t esz = s->bf16 ? 2 : 4;
-    const int64_t tok = (int64_t)s->num_kv_heads * s->head_dim;
-    it->base = (const char *)s->cache + esz * (layer * s->layer_stride + kv * s->block_size * tok + (int64_t)kh * s->head_dim);
+    const int64_t esz = kv_esz(s), rw = kv_row(s);
+    const int64_t tok = (int64_t)s->num_kv_heads * rw;
+    it->base = (const char *)s->cache + esz * (layer * s->layer_stride + kv * s->block_size * tok + (int64_t)kh * rw);
     it->table = s->block_tables + (int64_t)row * s->table_width;
     it->block_bytes = esz * s->block_stride;
     it->tok_bytes = esz * tok;
@@ -58,7 +62,7 @@ INLINE float softmax_unnormalized(float *s, int n) {
 }
 #endif
 
-#if defined(DUET_AVX2)
+#if defined(DUET_VEC8)
 /* In place: s[0..n) = exp(s - max); returns 1 / sum (AVX2: softmax_unnormalized's arithmetic in
  * 8 lanes). `round` (bf16 steps): the weights are stored rounded to bf16 while the sum is of the
  * unrounded exps, where torch's CPU flash attention (SDPA, the bf16 oracle's) rounds: its P.V
@@ -87,6 +91,9 @@ INLINE float softmax8(float *s, int n, const int round) {
     return 1.0f / hsum8(sum);
 }
 
+#endif
+
+#if defined(DUET_AVX2)
 /* out[g] dims [d0, d0 + 8 nv) = inv[g] * sum_j pr[g][j pstep] V_j for ng <= 3 rows of weights (fp32,
  * zero past a row's own keys), V_j at rp[j] + voff (bytes), nv 2 or 4 vectors: 3 x 4 accumulators
  * in registers. bf16 V is widened in pairs (vec8_load_pairs) and put back in order at the store.

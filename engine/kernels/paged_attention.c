@@ -14,11 +14,13 @@
  * past a token's context; results equal softmax(q.K^T * scale).V up to fp32 rounding, and in
  * bf16 up to the rounding of the weights to bf16 (the AVX-512 BF16 and AVX2 paths, as torch's
  * bf16 SDPA rounds them).
+ * An int8 pool (Step.kv_int8) is read by attention_int8.h's paths.
  * Threads: OpenMP, resolved against the libgomp torch already loaded (one thread pool).
  */
 #include <omp.h>
 #include <stdlib.h>
 
+#include "attention_int8.h"
 #include "attention_parts.h"
 
 #ifndef PF_HINT
@@ -358,6 +360,10 @@ static void run8(const Step *s, int layer, int first, int count, const void *q, 
 void paged_attention(const Step *s, int32_t layer, int32_t first, int32_t count, const void *q, int64_t q_stride,
                      void *out, int64_t out_stride) {
     if (s->num_heads / s->num_kv_heads > 64) abort(); /* inv[] bound; the Python side checks it */
+    if (s->kv_int8) {
+        paged_attention_i8(s, layer, first, count, q, q_stride, out, out_stride);
+        return;
+    }
 #if defined(DUET_AVX2)
     if ((s->head_dim & 15) == 0) {
         if (s->bf16) run8(s, layer, first, count, q, q_stride, out, out_stride, 1);

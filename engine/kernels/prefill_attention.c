@@ -14,7 +14,7 @@
  * Invariants: row (token at position P) sees keys [0, P] (causal within the chunk, the whole
  * cached prefix before it); its weights past its own context are exactly zero. Steps this
  * path cannot take (a sliding window, fp32, head_dim % 32 != 0 or > 256, G > 12) go to the
- * per-token kernel, so any token range is valid input.
+ * per-token kernel, so any token range is valid input; so does an int8 pool.
  */
 #include <stdlib.h>
 
@@ -304,6 +304,10 @@ static void prefill8(const Step *s, int32_t layer, int32_t first, int32_t count,
 /* Attention for prefill tokens [first, first + count) (same addressing as paged_attention). */
 void prefill_attention(const Step *s, int32_t layer, int32_t first, int32_t count, const void *q, int64_t q_stride,
                        void *out, int64_t out_stride) {
+    if (s->kv_int8) { /* an int8 pool: the per-token path reads it (attention_int8.h) */
+        paged_attention(s, layer, first, count, q, q_stride, out, out_stride);
+        return;
+    }
     if (prefill_attention_amx(s, layer, first, count, q, q_stride, out, out_stride) == 0) return;
     const int G = s->num_heads / s->num_kv_heads;
 #if defined(__AVX512BF16__)

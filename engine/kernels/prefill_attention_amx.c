@@ -243,7 +243,7 @@ static void attend_rows(const Step *s, const Chunk *c, const uint16_t *buf, int 
 int prefill_attention_amx(const Step *s, int32_t layer, int32_t first, int32_t count, const void *q,
                           int64_t q_stride, void *out, int64_t out_stride) {
     const int D = s->head_dim, KVH = s->num_kv_heads, H = s->num_heads, G = H / KVH;
-    if (!s->bf16 || D % 32 != 0 || D > 256 || s->window != 0 || count <= 0 || !amx_permitted()) return 1;
+    if (!s->bf16 || s->kv_int8 || D % 32 != 0 || D > 256 || s->window != 0 || count <= 0 || !amx_permitted()) return 1;
     /* chunks: runs of tokens of one sequence at consecutive positions */
     Chunk *ch = (Chunk *)malloc(sizeof(Chunk) * (size_t)count);
     if (!ch) return 1;

@@ -5,7 +5,8 @@
  * Bit-exact with the torch path (engine/rope.py: x * cos + rotate_half(x) * sin in the model
  * dtype): each product and the sum are rounded to the model dtype as torch does, and this file
  * is compiled with -ffp-contract=off so no FMA merges them. That keeps fp32 greedy output
- * token-identical to transformers.
+ * token-identical to transformers. Into an int8 pool (Step.kv_int8) each kv head's K and V row is
+ * quantized as engine/kv_quant.py quantizes it, byte for byte.
  */
 #include "common.h"
 #include "step.h"
@@ -55,6 +56,20 @@ INLINE void rotate_head(void *x, int64_t o, const void *cs, const void *sn, int6
     }
 }
 
+/* dst[0..D) = x / scale rounded half to even and clamped to [-127, 127], dst[D..D+4) = scale's bytes,
+ * scale = max|x| / 127 (0 for an all-zero row, read back as zeros): the torch quantizer's
+ * (engine/kv_quant.py) operations in its order and fp32 roundings, so the bytes are its bytes. */
+INLINE void quantize_row(const void *x, int64_t o, int D, int bf16, int8_t *dst) {
+    float m = 0.f;
+    for (int e = 0; e < D; e++) m = fmaxf(m, fabsf(load_elem(x, o + e, bf16)));
+    const float scale = m / 127.0f, inv = scale > 0.f ? 1.0f / scale : 0.f;
+    for (int e = 0; e < D; e++) {
+        const float v = nearbyintf(load_elem(x, o + e, bf16) * inv);
+        dst[e] = (int8_t)(v > 127.f ? 127.f : v < -127.f ? -127.f : v);
+    }
+    __builtin_memcpy(dst + D, &scale, sizeof scale);
+}
+
 static void run(const Step *s, int layer, void *qkv, int64_t qkv_stride, int bf16) {
     const int H = s->num_heads, KVH = s->num_kv_heads, D = s->head_dim, T = s->num_tokens;
     const int64_t esz = bf16 ? 2 : 4, tok = (int64_t)KVH * D;
@@ -70,9 +85,20 @@ static void run(const Step *s, int layer, void *qkv, int64_t qkv_stride, int bf1
 #endif
             rotate_head(qkv, row + (int64_t)h * D, s->cos, s->sin, to, D / 2, bf16);
         }
+        const int64_t kv = row + (int64_t)H * D;
+        if (s->kv_int8) {
+            const int64_t rtok = (int64_t)KVH * (D + 4);
+            int8_t *dst = (int8_t *)s->cache + s->slot_block[t] * s->block_stride + layer * s->layer_stride
+                + s->slot_offset[t] * rtok;
+            for (int h = 0; h < KVH; h++) {
+                quantize_row(qkv, kv + (int64_t)h * D, D, bf16, dst + h * (D + 4));                      /* K */
+                quantize_row(qkv, kv + tok + (int64_t)h * D, D, bf16, dst + s->block_size * rtok + h * (D + 4)); /* V */
+            }
+            continue;
+        }
         char *dst = (char *)s->cache
             + esz * (s->slot_block[t] * s->block_stride + layer * s->layer_stride + s->slot_offset[t] * tok);
-        const char *src = (const char *)qkv + esz * (row + (int64_t)H * D);
+        const char *src = (const char *)qkv + esz * kv;
         __builtin_memcpy(dst, src, esz * tok);                                 /* K */
         __builtin_memcpy(dst + esz * s->block_size * tok, src + esz * tok, esz * tok); /* V */
     }

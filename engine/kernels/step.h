@@ -6,7 +6,9 @@
  * Token t of the step sits at position positions[t] of the sequence whose block table is row
  * token_row[t] of block_tables; it attends to keys [max(0, ctx_lens[t] - window), ctx_lens[t])
  * (window 0: no sliding window) and its new K/V go to slot (slot_block[t], slot_offset[t]).
- * Pool layout (elements): [num_blocks][layers][2][block_size][num_kv_heads][head_dim].
+ * Pool layout (elements): [num_blocks][layers][2][block_size][num_kv_heads][head_dim]; an int8
+ * pool's rows are head_dim int8 values and then their fp32 scale's 4 bytes (row width head_dim + 4
+ * bytes, engine/kv_quant.py), its strides in bytes.
  */
 #ifndef DUET_KERNELS_STEP_H
 #define DUET_KERNELS_STEP_H
@@ -33,8 +35,9 @@ typedef struct {
     int32_t block_size;
     int32_t window;
     int32_t max_ctx; /* max of ctx_lens over the tokens a call may see */
-    int32_t bf16; /* 1: activations, pool and tables are bf16; 0: fp32 */
+    int32_t bf16; /* 1: activations and tables are bf16 (and the pool, unless kv_int8); 0: fp32 */
     float scale;
+    int32_t kv_int8; /* 1: the pool holds int8 rows with their scale (attention_int8.h) */
 } Step;
 
 #endif

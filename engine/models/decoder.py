@@ -144,11 +144,9 @@ class DecoderModel:
             and spec.num_heads // spec.num_kv_heads <= 64
         )
         self.kernels = kernels_lib() if usable else None
-        #: False: K/V stored and attention read by torch ops (an int8 pool: engine/kv_quant.py)
-        self.kv_kernels = True
-        self.kernel_prefill = (
-            self.kernels is not None and dtype == torch.bfloat16 and "avx512_bf16" in cpu_flags()
-        )
+        #: an int8 KV pool (engine/kv_quant.py::kv_int8_pool): prefill chunks attend on SDPA
+        self.kv_int8 = False
+        self._prefill_isa = dtype == torch.bfloat16 and "avx512_bf16" in cpu_flags()
         self.res32 = dtype == torch.bfloat16
         #: q's factor so that the attention paths' own 1/√d gives spec.query_scale
         self.q_factor = 1.0 if spec.query_scale is None else spec.query_scale * math.sqrt(d)
@@ -159,6 +157,11 @@ class DecoderModel:
         )
         #: LlamaModel's attribute: a one-C-call decode loop (none here)
         self.decode_plan = None
+
+    @property
+    def kernel_prefill(self) -> bool:
+        """Prefill attention runs on the kernels (bf16 with AVX-512 BF16, a float pool)."""
+        return self.kernels is not None and self._prefill_isa and not self.kv_int8
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights a one-token decode step reads (every expert counted: an upper bound
@@ -192,7 +195,7 @@ class DecoderModel:
             kmd = md if kind == FULL else replace(md, sliding_window=self.spec.window)
             rope = self.ropes.get(kind, self.ropes[FULL])
             step = cos = sin = None
-            if self.kernels is None or not self.kv_kernels:
+            if self.kernels is None:
                 cos, sin = rope.tables(kmd.positions)
             else:
                 step = KernelStep(

@@ -1,10 +1,9 @@
 """The 8-bit KV pool (`--kv-cache-dtype int8`, engine/kv_quant.py): rows round-trip within half a
 step of their scale, the pool holds more blocks in the same memory, the engine's output stays
 close to the fp32 pool's, and a prefix hit, a spill to the host tier and back, and a digest
-check all work on the int8 bytes (scales included).
-
-The attention kernels do not read an int8 pool: these tests accept that fallback explicitly
-(strict mode off for the engine's construction), and one test sees strict mode refuse it."""
+check all work on the int8 bytes (scales included). The CPU kernels store and read the int8 pool
+(tests/engine/test_kv_int8_kernels.py checks them against the torch path): under strict mode an
+int8 engine builds with no fallback, and its greedy decode equals the torch attention path's."""
 
 from __future__ import annotations
 
@@ -17,18 +16,10 @@ from engine import EngineConfig, SamplingParams, kv_quant
 from engine.core import EngineCore
 from protocol.block_hash import block_hashes, domain_root
 from protocol.kv_layout import KVLayout
-from runtime.strict import FallbackRefused
 from tests.engine.test_kv_digest import run
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PROMPT = [(7 * i) % 300 + 3 for i in range(53)]  # 3 full blocks of 16 and a 5-token tail
-
-
-@pytest.fixture
-def lenient(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Accept the attention kernels' fallback to torch for an int8 pool (strict mode off)."""
-    monkeypatch.delenv("CI", raising=False)
-    monkeypatch.delenv("DUET_STRICT", raising=False)
 
 
 def engine(model: Path, kv: str, **kw: object) -> EngineCore:
@@ -65,7 +56,7 @@ def test_layout_counts_the_scales_and_never_pairs_int8_with_float() -> None:
     assert i8.differences(bf) == ["dtype: int8 != bfloat16"]
 
 
-def test_pool_holds_more_blocks_in_the_same_memory(tiny_llama: Path, lenient: None) -> None:
+def test_pool_holds_more_blocks_in_the_same_memory(tiny_llama: Path) -> None:
     f32 = engine(tiny_llama, "auto", kv_memory="1MiB")
     i8 = engine(tiny_llama, "int8", kv_memory="1MiB")
     assert i8.runner.kv_cache.dtype == torch.int8 and i8.runner.kv_layout.dtype == "int8"
@@ -75,16 +66,22 @@ def test_pool_holds_more_blocks_in_the_same_memory(tiny_llama: Path, lenient: No
     assert i8.pool.num_blocks / f32.pool.num_blocks == pytest.approx(64 / 20, rel=0.01)
 
 
-def test_strict_mode_refuses_the_attention_fallback(
+def test_kernels_decode_as_the_torch_path_under_strict_mode(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from engine.kernels import kernels_lib
 
     if kernels_lib() is None:
-        pytest.skip("no CPU kernels here: nothing falls back")
-    monkeypatch.setenv("CI", "true")
-    with pytest.raises(FallbackRefused, match="do not read an int8 KV pool"):
-        engine(tiny_llama, "int8", num_kv_blocks=64)
+        pytest.skip("no CPU kernels here")
+    monkeypatch.setenv("CI", "true")  # a fallback would raise
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    on = engine(tiny_llama, "int8", num_kv_blocks=64)
+    assert on.runner.model.kernels is not None and on.runner.model.kv_int8
+    off = engine(tiny_llama, "int8", num_kv_blocks=64)
+    off.runner.model.kernels = None  # the torch path whole (store and attention)
+    for i in range(3):
+        prompt = [(17 * j + 5 * i) % 290 + 4 for j in range(20 + 9 * i)]
+        assert run(on, f"a{i}", prompt, params=params) == run(off, f"a{i}", prompt, params=params)
 
 
 def test_fp8_is_refused_by_the_native_engine(tiny_llama: Path) -> None:
@@ -92,7 +89,7 @@ def test_fp8_is_refused_by_the_native_engine(tiny_llama: Path) -> None:
         engine(tiny_llama, "fp8", num_kv_blocks=64)
 
 
-def test_prompt_logprobs_close_to_the_fp32_pool(tiny_llama: Path, lenient: None) -> None:
+def test_prompt_logprobs_close_to_the_fp32_pool(tiny_llama: Path) -> None:
     """Chunks of 16 tokens, so every chunk after the first attends to int8 keys and values."""
     prompt = [(11 * i) % 290 + 5 for i in range(96)]
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
@@ -114,9 +111,7 @@ def test_prompt_logprobs_close_to_the_fp32_pool(tiny_llama: Path, lenient: None)
     assert float(diff[16:].mean()) < 0.025, float(diff[16:].mean())
 
 
-def test_prefix_hit_spill_and_onload_on_int8(
-    tiny_llama: Path, tmp_path: Path, lenient: None
-) -> None:
+def test_prefix_hit_spill_and_onload_on_int8(tiny_llama: Path, tmp_path: Path) -> None:
     core = engine(
         tiny_llama,
         "int8",
@@ -138,7 +133,7 @@ def test_prefix_hit_spill_and_onload_on_int8(
     assert core.kv.checks["host"] == 3 and not core.kv.mismatches
 
 
-def test_a_flipped_scale_byte_is_caught(tiny_llama: Path, lenient: None) -> None:
+def test_a_flipped_scale_byte_is_caught(tiny_llama: Path) -> None:
     core = engine(tiny_llama, "int8", num_kv_blocks=64)
     first = run(core, "a", PROMPT)
     b = core.pool.lookup(block_hashes(PROMPT, 16, parent=domain_root(None))[0])
