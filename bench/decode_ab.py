@@ -7,11 +7,12 @@ configuration gets its own in-process EngineCore, all loaded at the start, and t
 them in rounds, one configuration after another (the order rotated each round), so drift moves
 them alike. bench.kernel_ab does the same for two kernel builds on the linears alone.
 
-A configuration is `DTYPE[/QUANT][:LINEAR]`: DTYPE fp32 or bf16; QUANT a --quantization scheme
-(int8, int4, ...); LINEAR the bf16 linear path while that engine's weights are packed: `own`
+A configuration is `DTYPE[/QUANT][:LINEAR][@KV]`: DTYPE fp32 or bf16; QUANT a --quantization
+scheme (int8, int4, ...); LINEAR the bf16 linear path while that engine's weights are packed: `own`
 (DUET_BF16_LINEAR=own: the project's GEMM, AVX2 too), `onednn` (DUET_BF16_LINEAR=onednn: oneDNN,
-or F.linear where the CPU has no oneDNN bf16 reorder), or nothing (the default). The first
-configuration is the baseline of the ratios.
+or F.linear where the CPU has no oneDNN bf16 reorder), or nothing (the default); KV the pool's
+--kv-cache-dtype (`int8`; default the model's dtype), every pool the same number of blocks. The
+first configuration is the baseline of the ratios.
 
 Workloads:
 - `decode B` (--batches): B sequences with --prompt-len-token prompts, all decoding; each round
@@ -46,6 +47,7 @@ from bench.workload import random_prompt
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "float32": "float32", "bfloat16": "bfloat16"}
 _LINEARS = ("own", "onednn")
+_KVS = ("auto", "int8")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,18 +58,27 @@ class Config:
     dtype: str
     quantization: str | None
     linear: str | None
+    #: the pool's --kv-cache-dtype
+    kv: str = "auto"
 
 
 def parse_config(text: str) -> Config:
-    """`bf16/int8:own` -> Config; ValueError naming what is wrong."""
-    rest, _, linear = text.partition(":")
+    """`bf16/int8:own@int8` -> Config; ValueError naming what is wrong."""
+    text_kv, _, kv = text.partition("@")
+    rest, _, linear = text_kv.partition(":")
     dtype, _, quant = rest.partition("/")
     if dtype not in _DTYPES:
         raise ValueError(f"{text!r}: dtype {dtype!r} is not one of fp32, bf16")
     if linear and linear not in _LINEARS:
         raise ValueError(f"{text!r}: linear path {linear!r} is not one of {', '.join(_LINEARS)}")
+    if kv and kv not in _KVS:
+        raise ValueError(f"{text!r}: KV dtype {kv!r} is not one of {', '.join(_KVS)}")
     return Config(
-        name=text, dtype=_DTYPES[dtype], quantization=quant or None, linear=linear or None
+        name=text,
+        dtype=_DTYPES[dtype],
+        quantization=quant or None,
+        linear=linear or None,
+        kv=kv or "auto",
     )
 
 
@@ -81,7 +92,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--configs",
         default="fp32,bf16,bf16:own",
-        help="comma-separated DTYPE[/QUANT][:LINEAR] (default %(default)s); the first is the "
+        help="comma-separated DTYPE[/QUANT][:LINEAR][@KV] (default %(default)s); the first is the "
         "baseline",
     )
     ap.add_argument("--batches", default="1", help="decode batch sizes, comma-separated")
@@ -131,6 +142,7 @@ def build_engine(cfg: Config, args: argparse.Namespace, tokens: int):
                 model=args.model,
                 dtype=cfg.dtype,
                 quantization=cfg.quantization,  # type: ignore[arg-type]
+                kv_cache_dtype=cfg.kv,  # type: ignore[arg-type]
                 threads=args.threads,
                 num_kv_blocks=blocks,
                 max_model_len=tokens,

@@ -51,8 +51,9 @@ class EngineConfig:
     #: how the KV pool stores K and V: auto keeps the model's dtype (--dtype); int8 stores 8-bit
     #: values with a per-token, per-KV-head fp32 scale, so --kv-memory holds ~2x the tokens of
     #: bf16 (~4x of fp32) at a small accuracy cost (docs/benchmarks.md "8-bit KV"). Prefill and
-    #: decode nodes must agree (the KV layout hash refuses a mismatch). int8 attention runs on
-    #: torch ops, not the CPU kernels. fp8 is for --engine vllm only (vLLM's kv_cache_dtype)
+    #: decode nodes must agree (the KV layout hash refuses a mismatch). The CPU kernels store and
+    #: read int8 rows (prefill chunks attend on SDPA). fp8 is for --engine vllm only (vLLM's
+    #: kv_cache_dtype)
     kv_cache_dtype: KVCacheDtype = "auto"
     #: context limit (default: the model's max_position_embeddings)
     max_model_len: int | None = None

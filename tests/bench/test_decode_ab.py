@@ -20,6 +20,10 @@ def test_configurations_parse_and_bad_ones_are_refused() -> None:
     assert decode_ab.parse_config("fp32") == decode_ab.Config(
         name="fp32", dtype="float32", quantization=None, linear=None
     )
+    c = decode_ab.parse_config("fp32@int8")
+    assert (c.dtype, c.quantization, c.linear, c.kv) == ("float32", None, None, "int8")
+    with pytest.raises(ValueError, match="KV dtype 'fp8'"):
+        decode_ab.parse_config("bf16@fp8")
     with pytest.raises(ValueError, match="dtype 'fp8'"):
         decode_ab.parse_config("fp8")
     with pytest.raises(ValueError, match="linear path 'mkl'"):

@@ -3,8 +3,8 @@ colocated int8 node's token for token, the blocks that moved over NIXL are the i
 their scales (a block's bytes per the layout), and a decode node whose pool keeps the model's
 dtype refuses the int8 prefill node's layout instead of reading its bytes as floats.
 
-The nodes run on torch ops (DUET_DISABLE_KERNELS=1, a deliberate choice strict mode allows): the
-attention kernels do not read an int8 pool."""
+The nodes run on the CPU kernels (under CI=true a fallback would stop them): rope_store writes the
+int8 rows that move, the decode attention kernel reads the rows that arrived."""
 
 from __future__ import annotations
 
@@ -20,17 +20,16 @@ from tests.procs import duet_node, running
 
 COMMON = ("--dtype", "float32", "--kv-blocks", "256", "--max-model-len", "1024")
 INT8 = (*COMMON, "--kv-cache-dtype", "int8")
-TORCH = {"DUET_DISABLE_KERNELS": "1"}
 
 
 async def test_pd_int8_equals_colocated_and_a_float_decode_node_refuses_it(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
     ps = prompts(6, 1, 200, seed=13) + [[5] * 16, [6] * 33]
-    p = duet_node("prefill", tiny_llama, tmp_path, *INT8, "--lease-seconds", "30", env=TORCH)
-    d = duet_node("decode", tiny_llama, tmp_path, *INT8, env=TORCH)
-    both = duet_node("both", tiny_llama, tmp_path, *INT8, env=TORCH)
-    d32 = duet_node("decode", tiny_llama, tmp_path, *COMMON, env=TORCH)
+    p = duet_node("prefill", tiny_llama, tmp_path, *INT8, "--lease-seconds", "30")
+    d = duet_node("decode", tiny_llama, tmp_path, *INT8)
+    both = duet_node("both", tiny_llama, tmp_path, *INT8)
+    d32 = duet_node("decode", tiny_llama, tmp_path, *COMMON)
     with running(p, d, both, d32):
         check = PullCheck(p, d, "nixl")
         async with aiohttp.ClientSession() as s:
