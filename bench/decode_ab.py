@@ -171,15 +171,30 @@ def _order(names: list[str], r: int) -> list[str]:
     return names[k:] + names[:k]
 
 
+def _prefill_steps(args: argparse.Namespace) -> int:
+    """Steps the largest batch's prompts take to prefill (each step's token budget is
+    build_engine's max_num_batched_tokens)."""
+    batch = max(args.batch_list, default=1)
+    budget = max(512, args.prefill_len, batch)
+    return -(-batch * args.prompt_len // budget) + 1
+
+
+def _decode_tokens(args: argparse.Namespace) -> int:
+    """Tokens each decode sequence may generate: the timed steps and two warm ones, plus one a
+    step while the others prefill (the first sequences decode meanwhile; sized without that, a
+    sequence finished mid-round at 16 x 512-token prompts), and a margin."""
+    return args.rounds * args.steps + 2 + _prefill_steps(args) + 8
+
+
 def decode(engines: dict[str, Any], batch: int, args: argparse.Namespace, say) -> dict:
     """Seconds of each engine's timed decode steps at `batch` sequences, rounds alternated."""
     rng = random.Random(args.seed + batch)
     vocab = next(iter(engines.values())).model_config.vocab_size
     prompts = [random_prompt(rng, args.prompt_len, vocab) for _ in range(batch)]
-    total = args.rounds * args.steps + 2
+    total = _decode_tokens(args)
     for eng in engines.values():
         for i, p in enumerate(prompts):
-            eng.add_request(f"d{batch}-{i}", p, _greedy(total + 8))
+            eng.add_request(f"d{batch}-{i}", p, _greedy(total))
         reqs = [eng.request(f"d{batch}-{i}") for i in range(batch)]
         while any(not r.output_token_ids for r in reqs):
             eng.step()
@@ -244,7 +259,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"[decode_ab] {msg}", file=sys.stderr, flush=True)
 
     machine = machine_info(args.threads)  # its load figure is the load at the start
-    tokens = args.prompt_len + args.rounds * args.steps + 16
+    tokens = args.prompt_len + _decode_tokens(args) + 8
     engines: dict[str, Any] = {}
     for cfg in args.config_list:
         say(f"loading {cfg.name}")
