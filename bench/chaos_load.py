@@ -14,12 +14,16 @@ Every request ends in one `Outcome`:
   or an answer that is not OpenAI-shaped.
 
 A connection refused or reset before any byte of the answer (the gateway it reached was
-SIGKILLed; with `duet up --gateways 2` the other one takes the port's connections) is retried
-once, as the SDKs do, under the same `Idempotency-Key` (one per request), so the gateway bills
-the request once whichever attempt it saw; a stream cut after its first byte is not retried (its
-text was delivered). Each request carries a tag of its own in the OpenAI `user` field, the same
-on its retry, so the gateway's usage records can be matched to it whatever became of each
-attempt (bench/chaos_usage.py), and the X-Request-Id of the attempt that was answered.
+SIGKILLed; with `duet up --gateways 2` the other one takes the port's connections), and a 429 or
+503 (the cluster had no capacity for it: both decode nodes out at once), are sent again up to
+twice, as the official SDKs do (`max_retries=2`), after the answer's `Retry-After` (at most
+`MAX_RETRY_AFTER_S`; without one, 0.5 s then 1 s), under the same `Idempotency-Key` (one per
+request), so the gateway bills the request once whichever attempt it saw. Other errors are the
+answer (a 500 or 502 may have cost a node's work), and a stream cut after its first byte is not
+sent again (its text was delivered). Each request carries a tag of its own in the OpenAI `user`
+field, the same on its retries, so the gateway's usage records can be matched to it whatever
+became of each attempt (bench/chaos_usage.py), and the X-Request-Id of the attempt that was
+answered.
 
 A full answer whose text or finish reason differs from the reference is flagged
 (`differs_from_reference`). With `strict_text` it is UNDEFINED (the check that matters
@@ -84,8 +88,10 @@ class Record(msgspec.Struct, kw_only=True):
     tag: str = ""
     #: the gateway's X-Request-Id of the answer (empty: no answer came)
     request_id: str = ""
-    #: its first attempt met a refused or reset connection and it was sent again
+    #: an attempt met a refused or reset connection and it was sent again
     retried: bool = False
+    #: attempts answered 429 or 503 and sent again after their Retry-After
+    busy_retries: int = 0
 
 
 class Reference(msgspec.Struct, frozen=True, kw_only=True):
@@ -107,6 +113,30 @@ def chat_body(
     if stream:
         body |= {"stream": True, "stream_options": {"include_usage": True}}
     return body
+
+
+#: answers the SDKs send again: the gateway did no work for them and says when to come back
+RETRY_STATUSES = (429, 503)
+#: the longest Retry-After the client waits (the SDKs wait up to 60 s; a chaos run is short)
+MAX_RETRY_AFTER_S = 8.0
+
+
+class _Busy(Exception):
+    """A 429 or 503 with attempts left: sent again after `delay_s`."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__(delay_s)
+        self.delay_s = delay_s
+
+
+def _retry_after_s(r: aiohttp.ClientResponse, attempt: int) -> float:
+    try:
+        given = float(r.headers.get("Retry-After", ""))
+    except ValueError:
+        given = -1.0
+    if 0 <= given <= MAX_RETRY_AFTER_S:
+        return given
+    return min(0.5 * 2**attempt, MAX_RETRY_AFTER_S)
 
 
 def _error_answer(rec: Record, status: int, raw: bytes) -> Record:
@@ -146,10 +176,13 @@ async def _stream(
     rec: Record,
     ref: Reference | None,
     strict_text: bool,
+    attempt: int = 2,
 ) -> Record:
     start = time.perf_counter()
     async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
         rec.request_id = r.headers.get("X-Request-Id", "")
+        if r.status in RETRY_STATUSES and attempt < 2:
+            raise _Busy(_retry_after_s(r, attempt))
         if r.status != 200:
             return _error_answer(rec, r.status, await r.content.read(4096))
         rec.answered = True
@@ -192,11 +225,13 @@ async def _plain(
     rec: Record,
     ref: Reference | None,
     strict_text: bool,
+    attempt: int = 2,
 ) -> Record:
     async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
-        rec.request_id = r.headers.get(
-            "X-Request-Id", ""
-        )  # before the body: a cut body is not sent again
+        # before the body: a cut body is not sent again
+        rec.request_id = r.headers.get("X-Request-Id", "")
+        if r.status in RETRY_STATUSES and attempt < 2:
+            raise _Busy(_retry_after_s(r, attempt))
         raw = await r.read()
         if r.status != 200:
             return _error_answer(rec, r.status, raw)
@@ -240,16 +275,18 @@ async def one_request(
     body = chat_body(model, prompt, max_tokens, stream=kind == "stream", tag=tag or None)
     try:
         async with asyncio.timeout(timeout):
-            for attempt in range(2):
+            for attempt in range(3):
+                send = _stream if kind == "stream" else _plain
                 try:
-                    if kind == "stream":
-                        await _stream(session, url, headers, body, rec, ref, strict_text)
-                    else:
-                        await _plain(session, url, headers, body, rec, ref, strict_text)
+                    await send(session, url, headers, body, rec, ref, strict_text, attempt)
                     break
+                except _Busy as busy:
+                    rec.busy_retries += 1
+                    rec.request_id = ""
+                    await asyncio.sleep(busy.delay_s)
                 except _NO_ANSWER:
-                    if attempt or rec.answered or rec.request_id:
-                        raise  # a second failure, or the answer had begun: not sent again
+                    if attempt == 2 or rec.answered or rec.request_id:
+                        raise  # a third failure, or the answer had begun: not sent again
                     rec.retried = True
     except TimeoutError:
         rec.outcome, rec.cause, rec.message = (

@@ -184,6 +184,8 @@ def summarise(
             "matched": msgspec.to_builtins(matched) if matched is not None else None,
         },
         "retried": sum(r.retried for r in records),
+        "busy_retries": sum(r.busy_retries for r in records),
+        "requests_busy_retried": sum(r.busy_retries > 0 for r in records),
         "batch": {
             **{f: getattr(batch, f) for f in batch.__struct_fields__},
             "exactly_once": batch.exactly_once,
@@ -244,7 +246,11 @@ def render(s: dict[str, Any]) -> None:
         "KV blocks held after the load",
         ", ".join(f"{n}={b}" for n, b in held.items()) or "no node answered",
     )
-    t.add_row("retried once (connection refused or reset, no answer)", str(s.get("retried", 0)))
+    t.add_row("sent again (connection refused or reset, no answer)", str(s.get("retried", 0)))
+    t.add_row(
+        "sent again after a 429/503's Retry-After: requests / attempts",
+        f"{s.get('requests_busy_retried', 0)} / {s.get('busy_retries', 0)}",
+    )
     u = s["usage"]
     t.add_row(
         "usage records: gateway / client's answers",

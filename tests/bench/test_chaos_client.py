@@ -1,9 +1,10 @@
 """The chaos client against a real HTTP server standing in for a gateway that is SIGKILLed:
-a connection reset before any byte of the answer is sent again once (with the same `user`
-tag and `Idempotency-Key`), a stream cut after its first bytes is not (its text was
-delivered), and the usage check matches the gateway's records to the client's requests one by
-one — a full answer billed once, a retried request billed twice, records of answers the client
-never got — where the totals alone were off by one or two either way."""
+a connection reset before any byte of the answer, or a 503, is sent again up to twice as the
+SDKs do (with the same `user` tag and `Idempotency-Key`), a stream cut after its first bytes
+is not (its text was delivered), and the usage check matches the gateway's records to the
+client's requests one by one — a full answer billed once, a retried request billed twice,
+records of answers the client never got — where the totals alone were off by one or two either
+way."""
 
 from __future__ import annotations
 
@@ -43,9 +44,12 @@ def _reset(request: web.Request) -> None:
 
 
 @asynccontextmanager
-async def gateway(resets: int, cut_stream: bool = False) -> AsyncIterator[tuple[str, list[dict]]]:
-    """A server that resets its first `resets` requests before answering, then answers (a
-    stream cut after its first chunk with `cut_stream`). Yields its URL and the bodies seen."""
+async def gateway(
+    resets: int, cut_stream: bool = False, busy: int = 0, status: int = 503
+) -> AsyncIterator[tuple[str, list[dict]]]:
+    """A server that resets its first `resets` requests before answering, answers the next
+    `busy` with `status` (an OpenAI error, `Retry-After: 0.2`), then answers (a stream cut after
+    its first chunk with `cut_stream`). Yields its URL and the bodies seen."""
     seen: list[dict] = []
 
     async def chat(request: web.Request) -> web.StreamResponse:
@@ -55,6 +59,11 @@ async def gateway(resets: int, cut_stream: bool = False) -> AsyncIterator[tuple[
             _reset(request)
             await asyncio.sleep(1)
             return web.Response()
+        if len(seen) <= resets + busy:
+            err = {"error": {"message": "no capacity", "type": "x", "code": "no_capacity"}}
+            return web.json_response(
+                err, status=status, headers={"Retry-After": "0.2", "X-Request-Id": "req-busy"}
+            )
         if body.get("stream"):
             r = web.StreamResponse(
                 headers={"Content-Type": "text/event-stream", "X-Request-Id": f"req-{len(seen)}"}
@@ -105,12 +114,33 @@ def test_a_reset_before_the_answer_is_sent_again_once_with_its_tag() -> None:
                 seen[0]["idempotency_key"],
                 None,
             )
-        async with gateway(resets=2) as (url, seen):  # once only: a second reset is the answer
+        async with gateway(resets=3) as (url, seen):  # twice only: a third reset is the answer
             rec = await _ask(url, "stream")
             assert (
                 rec.outcome == Outcome.UNDEFINED and rec.cause == "connection_error" and rec.retried
             )
-            assert len(seen) == 2
+            assert len(seen) == 3
+
+    asyncio.run(main())
+
+
+def test_a_503_is_sent_again_after_its_retry_after_as_the_sdks_do() -> None:
+    async def main() -> None:
+        async with gateway(resets=0, busy=2) as (url, seen):
+            for kind in ("stream", "plain"):
+                seen.clear()
+                rec = await _ask(url, kind)
+                assert rec.outcome == Outcome.FULL and rec.busy_retries == 2, rec
+                assert not rec.retried and rec.request_id == "req-3"
+                assert len({b["idempotency_key"] for b in seen}) == 1 and len(seen) == 3
+        async with gateway(resets=0, busy=3) as (url, seen):  # the third 503 is the answer
+            rec = await _ask(url, "plain")
+            assert rec.outcome == Outcome.DEFINED_ERROR and rec.cause == "http_503"
+            assert rec.busy_retries == 2 and len(seen) == 3
+        async with gateway(resets=0, busy=1, status=500) as (url, seen):  # not sent again
+            rec = await _ask(url, "plain")
+            assert rec.outcome == Outcome.DEFINED_ERROR and rec.cause == "http_500"
+            assert rec.busy_retries == 0 and len(seen) == 1
 
     asyncio.run(main())
 
