@@ -8,14 +8,14 @@ gateway's admin API (protocol/rollout.py; the admin key: `$DUET_ADMIN_KEY` or --
     duet rollout set MODEL v1=90 v2=10             weights by hand (a running rollout pauses)
 
 The policy ([models.MODEL.rollout] in gateway.toml: steps, step_interval_s, window_s,
-max_error_rate, max_ttft_p90_ratio, min_requests) steps the new version up once each step has
-lasted step_interval_s with at least min_requests attempts on it in the window, and rolls it
-back to 0 % by itself when its error rate (or TTFT P90 against the old version's) crosses the
-bar. Weights and rollouts live in each gateway process, and a restart serves the configured
-weights again: with several gateways, each gets the command (each judges its own requests).
-Without --gateway, the running `duet up`'s gateways are found in $DUET_HOME/up/state.json
-(each on its own port) and its admin key in $DUET_HOME/up/admin.key. Make a finished rollout
-last by writing its weights into gateway.toml.
+max_error_rate, max_ttft_p90_ratio, max_itl_p90_ratio, min_requests) steps the new version up
+once each step has lasted step_interval_s with at least min_requests attempts on it in the
+window, and rolls it back to 0 % by itself when its error rate (or its TTFT or inter-token
+latency P90 against the old version's) crosses the bar. Weights and rollouts live in each
+gateway process, and a restart serves the configured weights again: with several gateways,
+each gets the command (each judges its own requests). Without --gateway, the running `duet
+up`'s gateways are found in $DUET_HOME/up/state.json (each on its own port) and its admin key in
+$DUET_HOME/up/admin.key. Make a finished rollout last by writing its weights into gateway.toml.
 """
 
 from __future__ import annotations
@@ -120,9 +120,10 @@ def show(v: VersionsView) -> str:
     )
     for s in v.versions:
         p90 = "-" if s.ttft_p90_s is None else f"{s.ttft_p90_s * 1e3:.0f} ms"
+        itl = "-" if s.itl_p90_s is None else f"{s.itl_p90_s * 1e3:.1f} ms"
         lines.append(
             f"  {s.name:<12} weight {s.weight:>6g}  {s.attempts:>6} attempts  "
-            f"{s.failed:>5} failed  TTFT P90 {p90}  ({s.served_name})"
+            f"{s.failed:>5} failed  TTFT P90 {p90}  ITL P90 {itl}  ({s.served_name})"
         )
     for e in r.events[-5:]:
         lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(e.at))} {e.what}")

@@ -23,6 +23,7 @@ A model with versions may carry a rollout policy (gateway/backends/cluster/rollo
     window_s = 30                       # the sliding window the outcomes are judged over
     max_error_rate = 0.05               # the new version's failed attempts / attempts past it
     max_ttft_p90_ratio = 1.5            # optional: its TTFT P90 past 1.5x the old version's
+    max_itl_p90_ratio = 1.5             # optional: its inter-token latency P90, likewise
     min_requests = 10                   # attempts in the window before it is judged at all
 
 Invariants: a version set has at least one version of weight > 0, weights are finite numbers
@@ -62,6 +63,7 @@ class RolloutPolicy:
     window_s: float = 30.0
     max_error_rate: float = 0.05
     max_ttft_p90_ratio: float | None = None
+    max_itl_p90_ratio: float | None = None
     min_requests: int = 10
 
 
@@ -85,9 +87,12 @@ def parse_rollout(model: str, data: Any) -> RolloutPolicy:
             raise VersionError(f"{where} {key} must be a positive number of seconds, got {v!r}")
     if not isinstance(p.max_error_rate, int | float) or not 0 <= p.max_error_rate < 1:
         raise VersionError(f"{where} max_error_rate must be in [0, 1), got {p.max_error_rate!r}")
-    r = p.max_ttft_p90_ratio
-    if r is not None and (not isinstance(r, int | float) or not 1 <= r < math.inf):
-        raise VersionError(f"{where} max_ttft_p90_ratio must be a number >= 1, got {r!r}")
+    ratios = {k: getattr(p, k) for k in ("max_ttft_p90_ratio", "max_itl_p90_ratio")}
+    for key, r in ratios.items():
+        if r is not None and (
+            isinstance(r, bool) or not isinstance(r, int | float) or not 1 <= r < math.inf
+        ):
+            raise VersionError(f"{where} {key} must be a number >= 1, got {r!r}")
     if (
         isinstance(p.min_requests, bool)
         or not isinstance(p.min_requests, int)
@@ -99,9 +104,14 @@ def parse_rollout(model: str, data: Any) -> RolloutPolicy:
         step_interval_s=float(p.step_interval_s),
         window_s=float(p.window_s),
         max_error_rate=float(p.max_error_rate),
-        max_ttft_p90_ratio=None if r is None else float(r),
+        max_ttft_p90_ratio=_ratio(ratios["max_ttft_p90_ratio"]),
+        max_itl_p90_ratio=_ratio(ratios["max_itl_p90_ratio"]),
         min_requests=p.min_requests,
     )
+
+
+def _ratio(r: float | None) -> float | None:
+    return None if r is None else float(r)
 
 
 def parse_versions(model: str, data: Any) -> tuple[ModelVersion, ...]:

@@ -41,6 +41,8 @@ class VersionStatus(msgspec.Struct, frozen=True, kw_only=True):
     attempts: int
     failed: int
     ttft_p90_s: float | None
+    #: the inter-token latency P90 of its whole answers in the window (None: none ended)
+    itl_p90_s: float | None = None
     #: every attempt on it since this gateway started, and how many failed
     total_attempts: int
     total_failed: int
@@ -59,6 +61,7 @@ class PolicyView(msgspec.Struct, frozen=True, kw_only=True):
     window_s: float
     max_error_rate: float
     max_ttft_p90_ratio: float | None
+    max_itl_p90_ratio: float | None = None
     min_requests: int
 
 

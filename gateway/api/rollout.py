@@ -73,6 +73,7 @@ def view(vs: VersionSet) -> VersionsView:
                 attempts=s.attempts,
                 failed=s.failed,
                 ttft_p90_s=s.ttft_p90_s,
+                itl_p90_s=s.itl_p90_s,
                 total_attempts=attempted,
                 total_failed=failed,
             )
@@ -91,6 +92,7 @@ def view(vs: VersionSet) -> VersionsView:
             window_s=p.window_s,
             max_error_rate=p.max_error_rate,
             max_ttft_p90_ratio=p.max_ttft_p90_ratio,
+            max_itl_p90_ratio=p.max_itl_p90_ratio,
             min_requests=p.min_requests,
         ),
         events=[EventView(at=e.at, what=e.what, weights=e.weights) for e in r.events],

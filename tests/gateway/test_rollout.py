@@ -1,7 +1,7 @@
 """A rollout's policy (gateway/config_versions.py) and its steps (backends/cluster/rollout.py),
 on a clock the test moves: runtime weights split the very next requests, a rollout steps up
 only after its interval and with its evidence, rolls back by itself on the error bar and on
-the TTFT bar, and a hand's setting pauses it."""
+the TTFT and ITL bars, and a hand's setting pauses it."""
 
 from __future__ import annotations
 
@@ -104,6 +104,25 @@ def test_the_ttft_bar_compares_with_the_old_version() -> None:
     assert r.phase == Phase.ROLLED_BACK and "TTFT P90" in r.reason
 
 
+def test_the_itl_bar_compares_with_the_old_version() -> None:
+    vs = _set(**POLICY, max_itl_p90_ratio=1.5)
+    vs.start_rollout("v2")
+    r = vs.rollout
+    now = r.step_since
+    for _ in range(20):
+        vs.outcomes.record_itl("v1", 0.010, now=now)
+    _feed(vs, "v2", 4, now)
+    for _ in range(4):
+        vs.outcomes.record_itl("v2", 0.014, now=now)
+    r.tick(now, force=True)
+    assert r.phase == Phase.RUNNING  # 14 ms against 1.5 x 10 ms: within the bar
+    for _ in range(4):
+        vs.outcomes.record_itl("v2", 0.030, now=now)
+    r.tick(now, force=True)
+    assert r.phase == Phase.ROLLED_BACK and "ITL P90 30 ms" in r.reason, r.reason
+    assert vs.outcomes.stats("v2", 10, now + 11).itl_p90_s is None  # out of the window
+
+
 def test_a_hand_setting_pauses_a_rollout_and_resume_goes_on() -> None:
     vs = _set(**POLICY)
     vs.start_rollout("v2")
@@ -126,6 +145,7 @@ def test_a_version_already_serving_most_is_not_started() -> None:
         ({"window_s": 0}, "window_s must be a positive"),
         ({"max_error_rate": 1.5}, "max_error_rate"),
         ({"max_ttft_p90_ratio": 0.5}, "max_ttft_p90_ratio"),
+        ({"max_itl_p90_ratio": True}, "max_itl_p90_ratio"),
         ({"min_requests": 0}, "min_requests"),
         ({"colour": 1}, "unknown keys: colour"),
     ],

@@ -188,6 +188,9 @@ def test_a_healthy_version_steps_up_to_every_request(plane: Plane) -> None:
     assert shares[-3:] == [20, 50, 100], got["rollout"]["events"]
     versions = _versions(plane, [r for _, r in load.rids], since)
     assert "good" in versions and set(versions) <= {"v1", "good"}
+    # its whole answers' inter-token latency is measured for the ITL bar
+    good = next(v for v in got["versions"] if v["name"] == "good")
+    assert good["itl_p90_s"] is not None and 0 < good["itl_p90_s"] < 5, good
     # the operator's view: `duet rollout status`, through the same admin API
     out = subprocess.run(
         [sys.executable, "-m", "duet", "rollout", "status", "tiny", "--gateway", plane.gateway.url],

@@ -106,13 +106,17 @@ class ClusterBackend(Backend):
             tried.add(i)
             name = acc.version = vs.versions[i].name
             r = ClusterRequest(self.nodes, request, replace(attempt, model=vs.models[i]), acc)
-            t0, answered = time.monotonic(), False
+            t0, answered, first_at, later_tokens = time.monotonic(), False, 0.0, 0
             try:
                 async for piece in self._pieces(r):
                     if not answered:
-                        answered = True
-                        vs.outcomes.record(name, True, time.monotonic() - t0)
+                        answered, first_at = True, time.monotonic()
+                        vs.outcomes.record(name, True, first_at - t0)
+                    else:
+                        later_tokens += piece.tokens
                     yield piece
+                if later_tokens:  # a whole answer: its inter-token latency
+                    vs.outcomes.record_itl(name, (time.monotonic() - first_at) / later_tokens)
                 return
             except APIError as e:
                 if answered:

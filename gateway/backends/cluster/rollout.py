@@ -4,7 +4,8 @@ regresses.
 
 The new version is judged over the policy's sliding window on this gateway's own attempt
 outcomes (version_outcomes.py): once it has `min_requests` attempts there, an error rate past
-`max_error_rate` — or a TTFT P90 past `max_ttft_p90_ratio` times the old version's — puts it
+`max_error_rate` — or a TTFT P90 past `max_ttft_p90_ratio` times the old version's, or an
+inter-token latency P90 past `max_itl_p90_ratio` times the old version's — puts it
 back to 0 % at once (`rolled_back`). A step lasts at least `step_interval_s` and ends only
 with that much evidence in the window and no bar crossed, so a version nobody calls never
 advances; the last step (100 %) is judged like the others before the rollout is `done`.
@@ -122,14 +123,16 @@ class Rollout:
                 f"{self.new} failed {new.failed} of {new.attempts} attempts in {p.window_s:g} s "
                 f"({new.error_rate:.1%} > {p.max_error_rate:.1%})"
             )
-        if p.max_ttft_p90_ratio is None or new.ttft_p90_s is None:
-            return None
         old = self.outcomes.stats(self.old, p.window_s, now)
-        if old.ttft_p90_s and new.ttft_p90_s > p.max_ttft_p90_ratio * old.ttft_p90_s:
-            return (
-                f"{self.new} TTFT P90 {new.ttft_p90_s * 1e3:.0f} ms > {p.max_ttft_p90_ratio:g} x "
-                f"{self.old}'s {old.ttft_p90_s * 1e3:.0f} ms"
-            )
+        for what, bar, n, o in (
+            ("TTFT", p.max_ttft_p90_ratio, new.ttft_p90_s, old.ttft_p90_s),
+            ("ITL", p.max_itl_p90_ratio, new.itl_p90_s, old.itl_p90_s),
+        ):
+            if bar is not None and n is not None and o and n > bar * o:
+                return (
+                    f"{self.new} {what} P90 {n * 1e3:.0f} ms > {bar:g} x "
+                    f"{self.old}'s {o * 1e3:.0f} ms"
+                )
         return None
 
     def _enter(self, step: int, what: str, now: float | None = None) -> None:
