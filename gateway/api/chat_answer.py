@@ -267,6 +267,9 @@ class TranslatingSink:
     def opened(self) -> bool:
         return self.inner.opened
 
+    def could_wait(self, n: int) -> bool:
+        return self.inner.could_wait(n)
+
     async def open(self, headers: dict[str, str]) -> None:
         self.renderer.start(headers)
         await self.inner.open({**headers, **self.headers})

@@ -55,6 +55,9 @@ class GenerateSink:
     def opened(self) -> bool:
         return self.inner.opened
 
+    def could_wait(self, n: int) -> bool:
+        return self.inner.could_wait(n)
+
     async def open(self, headers: dict[str, str]) -> None:
         await self.inner.open(headers)
 

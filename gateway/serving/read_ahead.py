@@ -7,7 +7,9 @@ other team out. `ReadAhead` reads the reply in a task of its own into a buffer b
 (`max_bytes`, `[tiers] stream_read_ahead_bytes`: past it the reading waits, as it did before, and
 the write deadline of the sink ends a client that makes no progress); when the reply ends, `ended`
 is called at once (the slot is given back) while the writer still drains the buffer at the client's
-pace.
+pace. The relay starts one only when a write could wait for its client (the transport's buffer
+near its high-water mark): a client that keeps up is written straight from the reply, with no
+task and no hand-off per piece.
 
 Invariants: pieces come out in the order the reply gave them; a reply's failure is raised to
 the writer after the pieces before it, as the reply raised it; `stop` ends the reading task

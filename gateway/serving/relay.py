@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 from aiohttp import web
@@ -47,6 +47,10 @@ class EventSink(Protocol):
     @property
     def opened(self) -> bool: ...
 
+    def could_wait(self, n: int) -> bool:
+        """Whether writing `n` more bytes could wait for the client (its buffer nearly full)."""
+        ...
+
     async def open(self, headers: dict[str, str]) -> None: ...
 
     async def write(self, data: bytes) -> None: ...
@@ -67,6 +71,8 @@ class _EventStream(web.StreamResponse):
 WRITE_TIMEOUT = web.AppKey("write_timeout_s", float)
 #: the deadline of an app that sets none
 WRITE_TIMEOUT_S = 60.0
+#: bytes a send adds besides its data (the headers with the first chunk, chunked framing)
+_SLACK = 16 * 1024
 
 
 class HttpEventStream:
@@ -86,20 +92,28 @@ class HttpEventStream:
     def opened(self) -> bool:
         return self.response is not None
 
+    def could_wait(self, n: int) -> bool:
+        """A send waits only when the transport's buffer passes its high-water mark (the
+        kernel's socket buffer full too); below it the send returns at once."""
+        if (t := self.request.transport) is None:
+            return False  # a closed connection: the send fails at once, it cannot wait
+        return t.get_write_buffer_size() + n + _SLACK > t.get_write_buffer_limits()[1]
+
     async def open(self, headers: dict[str, str]) -> None:
         self.response = _EventStream(headers={**SSE_HEADERS, **headers})
-        await self._send(self.response.prepare(self.request))
+        await self._send(self.response.prepare(self.request), 0)
 
     async def write(self, data: bytes) -> None:
         assert self.response is not None
-        await self._send(self.response.write(data))
+        await self._send(self.response.write(data), len(data))
 
     async def end(self, data: bytes) -> None:
         assert self.response is not None
-        await self._send(self.response.write_eof(data))
+        await self._send(self.response.write_eof(data), len(data))
 
-    async def _send(self, send: Awaitable[object]) -> None:
-        if not self.write_timeout_s:
+    async def _send(self, send: Awaitable[object], n: int) -> None:
+        # a send that cannot wait needs no deadline (no timer per chunk of a client that keeps up)
+        if not self.write_timeout_s or not self.could_wait(n):
             await send
             return
         try:
@@ -197,23 +211,41 @@ class Relay:
         held: list[Piece] = []  # finishing chunks wait for the usage record's commit
         pending: list[bytes] = []  # chunks whose successor has already arrived: one write
         unsent: list[Piece] = []  # the pieces of `pending`, counted sent once written
-        # read ahead of a slow client (bounded): the node's slot is free once the node is done
+        # read ahead of a slow client (bounded), from the first write that could wait for it:
+        # the node's slot is free once the node is done. A client that keeps up needs none (no
+        # task, no hand-off per piece).
         ended = self.ended if self.read_ahead_bytes > 0 else None
-        pieces = ReadAhead(reply, ended, self.read_ahead_bytes) if ended is not None else None
+        pieces: ReadAhead | None = None
+        source: AsyncIterator[Piece] = aiter(reply)
         try:
-            async for p in pieces or reply:
-                if not sink.opened:
-                    await sink.open(headers)
-                if p.finish_reason:
-                    self.sent.finish_reasons[p.index] = p.finish_reason
-                    held.append(p)
-                    continue
-                pending.append(fmt.chunk(p))
-                unsent.append(p)
-                if not p.more:
-                    await sink.write(pending[0] if len(pending) == 1 else b"".join(pending))
+            while True:
+                async for p in source:
+                    if not sink.opened:
+                        await sink.open(headers)
+                    if p.finish_reason:
+                        self.sent.finish_reasons[p.index] = p.finish_reason
+                        held.append(p)
+                        continue
+                    pending.append(fmt.chunk(p))
+                    unsent.append(p)
+                    if p.more:
+                        continue
+                    data = pending[0] if len(pending) == 1 else b"".join(pending)
+                    if ended is not None and pieces is None and sink.could_wait(len(data)):
+                        break  # read the rest ahead before this write waits for the client
+                    await sink.write(data)
                     pending.clear()
                     self._written(unsent)
+                else:
+                    break  # the reply has ended
+                assert ended is not None
+                pieces = ReadAhead(source, ended, self.read_ahead_bytes)
+                source = pieces
+                await sink.write(data)
+                pending.clear()
+                self._written(unsent)
+            if ended is not None and pieces is None:
+                ended()  # the reply ended with the client keeping up: no reading ahead to do it
         except MidStreamError as e:
             await _close(reply, pieces)
             self._written(unsent)  # they leave with the error event, in the same send
@@ -227,14 +259,18 @@ class Relay:
             await _close(reply, pieces)
             raise
         await ledger.commit(UsageStatus.OK, reply.accounting)
+        await self._end(sink, headers, [*pending, *(fmt.chunk(p) for p in held)], include_usage)
+
+    async def _end(
+        self, sink: EventSink, headers: dict[str, str], tail: list[bytes], include_usage: bool
+    ) -> None:
+        """The stream's end after its commit: `tail` (the chunks held back), the usage chunk,
+        [DONE] and the body's end leave in one send (not five): a client that stops reading at
+        [DONE] then finds the body ended and can keep its connection for the next request."""
         if not sink.opened:
             await sink.open(headers)
-        # The finishing chunks, the usage chunk, [DONE] and the body's end leave in one send
-        # (not five): a client that stops reading at [DONE] then finds the body ended and can
-        # keep its connection for the next request.
-        tail = [*pending, *(fmt.chunk(p) for p in held)]
         if include_usage:
-            tail.append(fmt.usage_chunk(self._usage()))
+            tail.append(self.fmt.usage_chunk(self._usage()))
         tail.append(DONE)
         await sink.end(b"".join(tail))
 
