@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import secrets
 
@@ -30,6 +31,7 @@ CONSOLE_CLIENT = "X-Duet-Console-Client"
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
+@functools.lru_cache(maxsize=4096)  # a request's parse otherwise: the same few peers, again
 def client_of(address: str) -> str:
     """The key a connection from `address` counts under: the address itself for IPv4 (an
     IPv4-mapped IPv6 address as its IPv4), the /64 for IPv6."""
