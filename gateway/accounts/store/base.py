@@ -64,6 +64,34 @@ class Team(msgspec.Struct, kw_only=True, frozen=True):
     weight: float | None = None
 
 
+#: the usage table's columns, in the order both stores write and read a record's
+#: fields
+USAGE_COLS = (
+    "request_id",
+    "team_id",
+    "key_id",
+    "model_requested",
+    "model_used",
+    "tier",
+    "status",
+    "endpoint",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "cost_usd",
+    "ttft_s",
+    "latency_s",
+    "nodes",
+    "created_at",
+    "user",
+    "migrations",
+    "leg_tokens",
+    "queue_s",
+    "adapter",
+    "version",
+)
+
+
 #: the teams table's columns, in `team_values`' order: both stores read and write teams by it
 TEAM_COLS = (
     "id, rpm, tpm, max_concurrent, daily_budget_usd, monthly_budget_usd, default_tier, "

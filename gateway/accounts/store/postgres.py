@@ -19,6 +19,7 @@ from typing import Any
 import asyncpg
 
 from gateway.accounts.store.base import (
+    USAGE_COLS,
     WINDOW_S,
     Refusal,
     Reservation,
@@ -40,12 +41,7 @@ from gateway.accounts.store.postgres_quota import (
     settle_booking,
 )
 from gateway.accounts.store.postgres_teams import PostgresTeams
-from gateway.accounts.store.postgres_usage import (
-    USAGE_COLS,
-    USAGE_SQL,
-    usage_record_of,
-    write_usage,
-)
+from gateway.accounts.store.postgres_usage import USAGE_SQL, usage_record_of, write_usage
 from gateway.accounts.store.team_ids import POSTGRES as TOMBSTONES
 from gateway.accounts.store.usage_keys import mode_of
 from gateway.accounts.store.usage_totals import group_keys, outliers_sql, totals_row, totals_sql

@@ -8,34 +8,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.accounts.store.base import UsageKey, UsageRecord
+from gateway.accounts.store.base import USAGE_COLS, UsageKey, UsageRecord
 from gateway.accounts.store.rules import day_period, month_period
 from gateway.accounts.store.usage_keys import Earlier, Verdict, needs_status, verdict
 
-USAGE_COLS = (
-    "request_id",
-    "team_id",
-    "key_id",
-    "model_requested",
-    "model_used",
-    "tier",
-    "status",
-    "endpoint",
-    "prompt_tokens",
-    "completion_tokens",
-    "cached_tokens",
-    "cost_usd",
-    "ttft_s",
-    "latency_s",
-    "nodes",
-    "created_at",
-    "user",
-    "migrations",
-    "leg_tokens",
-    "queue_s",
-    "adapter",
-    "version",
-)
 #: list columns stored as JSON text
 JSON_COLS = ("nodes", "leg_tokens")
 # quoted: `user` is a reserved word in PostgreSQL (unquoted it means CURRENT_USER)

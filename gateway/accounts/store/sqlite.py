@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from gateway.accounts.store.base import (
     N_TEAM_COLS,
     TEAM_COLS,
+    USAGE_COLS,
     WINDOW_S,
     ApiKey,
     Refusal,
@@ -44,7 +45,7 @@ from gateway.accounts.store.sqlite_tables import (
     team_fields,
     team_of,
 )
-from gateway.accounts.store.sqlite_usage import USAGE_COLS, record_of
+from gateway.accounts.store.sqlite_usage import record_of
 from gateway.accounts.store.team_ids import SQLITE as TOMBSTONES
 from gateway.accounts.store.team_ids import reused
 from gateway.accounts.store.usage_totals import group_keys, outliers_sql, totals_row, totals_sql
