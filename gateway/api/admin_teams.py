@@ -34,18 +34,9 @@ _TEAM_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 WEIGHT_MIN, WEIGHT_MAX = 0.001, 1000.0
 
 
-class TeamCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    id: str
-    rpm: int | None = None
-    tpm: int | None = None
-    max_concurrent: int | None = None
-    daily_budget_usd: float | None = None
-    monthly_budget_usd: float | None = None
-    default_tier: str = "interactive"
-    weight: float | None = None
-
-
 class TeamLimits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`PUT /admin/teams/{id}`: a team's limits, all of them (a field left out is its default)."""
+
     rpm: int | None = None
     tpm: int | None = None
     max_concurrent: int | None = None
@@ -53,6 +44,12 @@ class TeamLimits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     monthly_budget_usd: float | None = None
     default_tier: str = "interactive"
     weight: float | None = None
+
+
+class TeamCreate(TeamLimits, kw_only=True, forbid_unknown_fields=True):
+    """`POST /admin/teams`: a new team's id and its limits."""
+
+    id: str
 
 
 class TeamPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
