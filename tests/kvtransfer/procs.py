@@ -31,6 +31,7 @@ class PeerProcess:
         self.seed = seed
         # Closed in stop(): it outlives this constructor, so no `with` block.
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115
+        self._stderr_text = ""
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(
             [
@@ -45,7 +46,9 @@ class PeerProcess:
                 str(seed),
                 "--layout",
                 json.dumps(layout or {}),
-                *(("--secret", secret) if secret else ()),
+                # One argv word: a secret may start with "-", which argparse would
+                # take for an option of its own.
+                *((f"--secret={secret}",) if secret else ()),
             ],
             cwd=REPO,
             env=env,
@@ -74,7 +77,7 @@ class PeerProcess:
         finally:
             sel.close()
         self.stop()
-        raise RuntimeError(f"peer {self.engine_id} did not start:\n{self.stderr()}")
+        raise RuntimeError(f"peer {self.engine_id} did not start:\n{self._stderr_text}")
 
     def _drain(self) -> None:
         assert self.proc.stdout is not None
@@ -85,6 +88,8 @@ class PeerProcess:
         return f"http://127.0.0.1:{self.port}{path}"
 
     def stderr(self) -> str:
+        if self._stderr.closed:
+            return self._stderr_text
         self._stderr.seek(0)
         return self._stderr.read().decode(errors="replace")[-4000:]
 
@@ -103,4 +108,7 @@ class PeerProcess:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.kill()
-        self._stderr.close()
+        if not self._stderr.closed:
+            # Kept for stderr() after the file is gone (a failed start reports it).
+            self._stderr_text = self.stderr()
+            self._stderr.close()
