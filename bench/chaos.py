@@ -15,9 +15,11 @@ each on its own schedule (`--CLASS-every` seconds, held `--CLASS-for` seconds):
 Network, etcd and disk faults need root and a `duet up` this run starts.
 
 Prints a table (or `--json`) and writes DIR/chaos.json and DIR/chaos.png:
-- requests answered (tokens or a defined error) and undefined (a connection error, a hang,
-  a cut stream); availability with full tokens; full answers whose text differs from the
-  greedy reference taken before the first kill (undefined with --strict-text);
+- requests answered (tokens or a defined error; a stream cut after its first tokens, when its
+  gateway died, is answered with tokens but not in full) and undefined (a connection error
+  before any token, a hang, a stream without [DONE]); availability with full tokens; full
+  answers whose text differs from the greedy reference taken before the first kill (undefined
+  with --strict-text);
 - per kill: how long until `duet up` had the process healthy again;
 - KV blocks still held on every node once the load is over (should be 0);
 - usage: the gateway's records matched one by one to the client's requests (bench/chaos_usage.py):

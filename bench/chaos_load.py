@@ -10,8 +10,11 @@ Every request ends in one `Outcome`:
 - FULL: the whole answer (`[DONE]` after the content, or a complete JSON body);
 - DEFINED_ERROR: an HTTP error with OpenAI's error body, or an SSE `error` event — the client
   was told what happened (tokens it got before an error event still count as received);
-- UNDEFINED: a connection error, a hang past the timeout, a stream that ends without `[DONE]`,
-  or an answer that is not OpenAI-shaped.
+- PARTIAL: a stream whose connection was cut after its first tokens (its gateway died: a
+  SIGKILLed process's connections die with it, and neither the SDKs nor the protocol resume a
+  stream) — answered with tokens, not in full;
+- UNDEFINED: a connection error before any token, a hang past the timeout, a stream that ends
+  without `[DONE]`, or an answer that is not OpenAI-shaped.
 
 A connection refused or reset before any byte of the answer (the gateway it reached was
 SIGKILLed; with `duet up --gateways 2` the other one takes the port's connections), and a 429 or
@@ -65,6 +68,7 @@ PROMPTS = (
 class Outcome(enum.StrEnum):
     FULL = "full"
     DEFINED_ERROR = "defined_error"
+    PARTIAL = "partial"
     UNDEFINED = "undefined"
 
 
@@ -206,6 +210,7 @@ async def _stream(
                         rec.ttft_s = time.perf_counter() - start
                     parts.append(piece)
                     chunks += 1
+                    rec.tokens = chunks  # what a cut leaves the client with
                 finish = choice.get("finish_reason") or finish
             if isinstance(chunk.get("usage"), dict):
                 usage = chunk["usage"].get("completion_tokens")
@@ -295,9 +300,10 @@ async def one_request(
             f"no complete answer within {timeout:g} s",
         )
     except (aiohttp.ClientError, ConnectionError) as e:
+        cut = kind == "stream" and rec.tokens > 0
         rec.outcome, rec.cause, rec.message = (
-            Outcome.UNDEFINED,
-            "connection_error",
+            Outcome.PARTIAL if cut else Outcome.UNDEFINED,
+            "cut_after_tokens" if cut else "connection_error",
             f"{type(e).__name__}: {e}"[:300],
         )
     except (ValueError, KeyError, TypeError, IndexError) as e:

@@ -125,6 +125,7 @@ def summarise(
         "requests": n,
         "full": full,
         "defined_error": defined,
+        "partial": sum(r.outcome == Outcome.PARTIAL for r in records),
         "undefined": len(undefined),
         "answered_pct": 100.0 * (n - len(undefined)) / n if n else None,
         "differs_from_reference": sum(r.differs_from_reference for r in records),
@@ -222,7 +223,8 @@ def render(s: dict[str, Any]) -> None:
     )
     t.add_row("  with their full tokens", f"{s['full']} ({_f(s['full_pct'], '.2f', ' %')})")
     t.add_row("  defined errors", str(s["defined_error"]))
-    t.add_row("undefined (connection error, hang, cut stream)", str(s["undefined"]))
+    t.add_row("  streams cut after their first tokens (gateway died)", str(s.get("partial", 0)))
+    t.add_row("undefined (connection error before any token, hang, no [DONE])", str(s["undefined"]))
     for cause, n in s["causes"].items():
         t.add_row(f"  {cause}", str(n))
     t.add_row(

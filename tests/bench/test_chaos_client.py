@@ -45,11 +45,16 @@ def _reset(request: web.Request) -> None:
 
 @asynccontextmanager
 async def gateway(
-    resets: int, cut_stream: bool = False, busy: int = 0, status: int = 503
+    resets: int,
+    cut_stream: bool = False,
+    busy: int = 0,
+    status: int = 503,
+    empty_first: bool = False,
 ) -> AsyncIterator[tuple[str, list[dict]]]:
     """A server that resets its first `resets` requests before answering, answers the next
     `busy` with `status` (an OpenAI error, `Retry-After: 0.2`), then answers (a stream cut after
-    its first chunk with `cut_stream`). Yields its URL and the bodies seen."""
+    its first chunk with `cut_stream`; that chunk without text with `empty_first`). Yields its
+    URL and the bodies seen."""
     seen: list[dict] = []
 
     async def chat(request: web.Request) -> web.StreamResponse:
@@ -69,7 +74,8 @@ async def gateway(
                 headers={"Content-Type": "text/event-stream", "X-Request-Id": f"req-{len(seen)}"}
             )
             await r.prepare(request)
-            chunk = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}
+            delta = {"role": "assistant"} if empty_first else {"content": "hi"}
+            chunk = {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
             await r.write(f"data: {json.dumps(chunk)}\n\n".encode())
             if cut_stream:
                 _reset(request)
@@ -146,11 +152,19 @@ def test_a_503_is_sent_again_after_its_retry_after_as_the_sdks_do() -> None:
 
 
 def test_a_stream_cut_after_its_first_bytes_is_not_sent_again() -> None:
+    """Its text was delivered: it is answered in part (the tokens it got), not sent again."""
+
     async def main() -> None:
         async with gateway(resets=0, cut_stream=True) as (url, seen):
             rec = await _ask(url, "stream")
-            assert rec.outcome == Outcome.UNDEFINED and not rec.retried and len(seen) == 1
+            assert rec.outcome == Outcome.PARTIAL and rec.cause == "cut_after_tokens"
+            assert rec.tokens == 1 and not rec.retried and len(seen) == 1
             assert rec.answered and rec.request_id == "req-1"
+        # cut after its headers but before any token: no answer at all
+        async with gateway(resets=0, cut_stream=True, empty_first=True) as (url, seen):
+            rec = await _ask(url, "stream")
+            assert rec.outcome == Outcome.UNDEFINED and rec.cause == "connection_error"
+            assert rec.tokens == 0 and not rec.retried and len(seen) == 1
 
     asyncio.run(main())
 
