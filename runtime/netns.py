@@ -211,19 +211,20 @@ class NetFault:
             with contextlib.suppress(Exception):
                 self._undo.pop()()
 
-
-def _rule(f: NetFault, ns: str, spec: list[str]) -> None:
-    ipt = iptables()
-    _run(["ip", "netns", "exec", ns, ipt, "-I", *spec])
-    f._undo.append(lambda: _run(["ip", "netns", "exec", ns, ipt, "-D", *spec], check=False))
+    def rule(self, ns: str, spec: list[str]) -> None:
+        """Insert the iptables rule `spec` (chain first) in namespace `ns`; `undo()` deletes
+        it. For a fault shape of a caller's own (the helpers below build the common ones)."""
+        ipt = iptables()
+        _run(["ip", "netns", "exec", ns, ipt, "-I", *spec])
+        self._undo.append(lambda: _run(["ip", "netns", "exec", ns, ipt, "-D", *spec], check=False))
 
 
 def partition(a: Member, b: Member) -> NetFault:
     f = NetFault(f"partition {a.name} <-> {b.name}")
     try:
         for x, y in ((a, b), (b, a)):
-            _rule(f, x.ns, ["INPUT", "-s", y.ip, "-j", "DROP"])
-            _rule(f, x.ns, ["OUTPUT", "-d", y.ip, "-j", "DROP"])
+            f.rule(x.ns, ["INPUT", "-s", y.ip, "-j", "DROP"])
+            f.rule(x.ns, ["OUTPUT", "-d", y.ip, "-j", "DROP"])
     except BaseException:
         f.undo()
         raise
@@ -235,7 +236,7 @@ def loss(a: Member, b: Member, share: float) -> NetFault:
     try:
         for x, y in ((a, b), (b, a)):
             stat = ["-m", "statistic", "--mode", "random", "--probability", f"{share:.4f}"]
-            _rule(f, x.ns, ["INPUT", "-s", y.ip, *stat, "-j", "DROP"])
+            f.rule(x.ns, ["INPUT", "-s", y.ip, *stat, "-j", "DROP"])
     except BaseException:
         f.undo()
         raise
@@ -273,7 +274,7 @@ def delay(a: Member, b: Member, delay_ms: float, jitter_ms: float = 0.0) -> NetF
             if proc.stdout.readline().strip() != b"bound":
                 raise RuntimeError(f"the delayer in {x.ns} did not bind queue {q}")
             nfq = ["-j", "NFQUEUE", "--queue-num", str(q), "--queue-bypass"]
-            _rule(f, x.ns, ["INPUT", "-s", y.ip, *nfq])
+            f.rule(x.ns, ["INPUT", "-s", y.ip, *nfq])
     except BaseException:
         f.undo()
         raise

@@ -106,8 +106,8 @@ def _cut_off(lan: netns.Lan, m: netns.Member) -> netns.NetFault:
     """Every packet between member `m` and the root namespace (the gateway's) dropped, silently:
     a partition between the gateway and that node only."""
     f = netns.NetFault(f"partition root <-> {m.name}")
-    netns._rule(f, m.ns, ["INPUT", "-s", lan.root_ip, "-j", "DROP"])
-    netns._rule(f, m.ns, ["OUTPUT", "-d", lan.root_ip, "-j", "DROP"])
+    f.rule(m.ns, ["INPUT", "-s", lan.root_ip, "-j", "DROP"])
+    f.rule(m.ns, ["OUTPUT", "-d", lan.root_ip, "-j", "DROP"])
     return f
 
 
@@ -117,7 +117,7 @@ def _acks_dropped(lan: netns.Lan, m: netns.Member) -> netns.NetFault:
     between a brand-new connection's connect and its first answer."""
     f = netns.NetFault(f"acknowledgements dropped {m.name} -> root")
     drop_all_but_syn = ["-p", "tcp", "--tcp-flags", "SYN", "NONE", "-j", "DROP"]
-    netns._rule(f, m.ns, ["OUTPUT", "-d", lan.root_ip, *drop_all_but_syn])
+    f.rule(m.ns, ["OUTPUT", "-d", lan.root_ip, *drop_all_but_syn])
     return f
 
 
