@@ -26,8 +26,9 @@ import openai
 import pytest
 
 from gateway.accounts.idempotency import HEADER, keyed_request_id
+from gateway.accounts.ledger import UsageStatus
 from gateway.accounts.store.base import Settlement, Store, UsageKey
-from gateway.accounts.store.usage_keys import WINDOW_S, Earlier, Verdict, verdict
+from gateway.accounts.store.usage_keys import GAVE_NOTHING, WINDOW_S, Earlier, Verdict, verdict
 from tests.gateway.conftest import postgres, postgres_db  # noqa: F401  (a real PostgreSQL)
 from tests.gateway.helpers import gateway_proc, http, make_team
 from tests.gateway.test_providers_e2e import FakeServers, external
@@ -86,6 +87,27 @@ async def test_a_key_whose_request_was_answered_is_no_free_pass(
     assert await _room(store, 0.45) and not await _room(store, 0.55)  # spent 0.5
 
 
+async def test_an_attempt_refused_before_its_first_token_is_replaced_by_its_retry(
+    store: Store,  # noqa: F811  (the fixture imported above)
+) -> None:
+    """A 503 `no_capacity` (or a 502 before the first token) sent again after its Retry-After
+    under its key: one record, the answered one (the chaos run found two: `error` and `ok`)."""
+    rid = keyed_request_id("t", "order-4")
+    await store.settle([Settlement(None, _record(rid, 0.0, status="error"), key=RETRY)])
+    await store.settle([Settlement(None, _record(rid, 0.3), key=RETRY)])
+    assert await _billed(store) == [(rid, "ok", 0.3)]
+    # a record that delivered something stays beside its retry's
+    rid = keyed_request_id("t", "order-5")
+    await store.settle([Settlement(None, _record(rid, 0.1, status="error_midstream"), key=RETRY)])
+    await store.settle([Settlement(None, _record(rid, 0.3), key=RETRY)])
+    got = sorted(b for b in await _billed(store) if b[0] == rid)
+    assert got == [(rid, "error_midstream", 0.1), (rid, "ok", 0.3)]
+
+
+def test_the_refusal_statuses_are_the_ledgers() -> None:
+    assert {UsageStatus.ERROR.value, UsageStatus.SHED.value} < GAVE_NOTHING
+
+
 def test_only_a_recent_expired_record_of_the_same_team_is_replaced() -> None:
     now = 1e9
     dead = Earlier(team_id="t", billed_at=now - 60, status="expired")
@@ -96,6 +118,10 @@ def test_only_a_recent_expired_record_of_the_same_team_is_replaced() -> None:
     assert verdict(RETRY, "u", "ok", dead, now) is Verdict.BESIDE  # never another team's
     answered = Earlier(team_id="t", billed_at=now - 60, status="ok")
     assert verdict(RETRY, "t", "ok", answered, now) is Verdict.BESIDE
+    refused = Earlier(team_id="t", billed_at=now - 60, status="error")
+    assert verdict(RETRY, "t", "ok", refused, now) is Verdict.REPLACE
+    cut = Earlier(team_id="t", billed_at=now - 60, status="client_disconnected")
+    assert verdict(RETRY, "t", "ok", cut, now) is Verdict.BESIDE
     assert verdict(UsageKey.RERUN, "t", "ok", answered, now) is Verdict.REPLACE
     assert verdict(RETRY, "t", "ok", None, now) is Verdict.WRITE
     assert keyed_request_id("t", "k") != keyed_request_id("u", "k")

@@ -35,6 +35,7 @@ from gateway.accounts.store.postgres_quota import (
     GATEWAYS,
     SCHEMA,
     USAGE_KEYS,
+    USAGE_KEYS_BILLED,
     add_columns,
     expire_where,
     reserve_in,
@@ -101,6 +102,8 @@ class PostgresStore(PostgresTeams, PostgresBatchTables, Store):
                 await con.execute(GATEWAYS)
             if await con.fetchval("SELECT to_regclass('usage_keys')") is None:
                 await con.execute(USAGE_KEYS)
+            if await con.fetchval("SELECT to_regclass('usage_keys_billed')") is None:
+                await con.execute(USAGE_KEYS_BILLED)
             if await con.fetchval("SELECT to_regclass('team_tombstones')") is None:
                 await con.execute(TOMBSTONES)
             await add_columns(con)

@@ -76,6 +76,8 @@ USAGE_KEYS = (
     "cost_usd DOUBLE PRECISION NOT NULL, created_at DOUBLE PRECISION NOT NULL, "
     "billed_at DOUBLE PRECISION NOT NULL)"
 )
+#: the index the usage keys' prune reads (usage_keys.PRUNE_SQL)
+USAGE_KEYS_BILLED = "CREATE INDEX IF NOT EXISTS usage_keys_billed ON usage_keys (billed_at)"
 #: columns later versions added to existing tables: (table, column, type)
 ADDED_COLUMNS = [
     ("usage", "user", "TEXT"),

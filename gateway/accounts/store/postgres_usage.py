@@ -10,8 +10,17 @@ from typing import Any
 
 from gateway.accounts.store.base import USAGE_COLS, UsageKey, UsageRecord
 from gateway.accounts.store.rules import day_period, month_period
-from gateway.accounts.store.usage_keys import Earlier, Verdict, needs_status, verdict
+from gateway.accounts.store.usage_keys import (
+    PRUNE_PER_WRITE,
+    PRUNE_SQL,
+    RETAIN_S,
+    Earlier,
+    Verdict,
+    needs_status,
+    verdict,
+)
 
+_PRUNE = PRUNE_SQL.format(lock=" FOR UPDATE SKIP LOCKED").replace("?", "$1", 1).replace("?", "$2")
 #: list columns stored as JSON text
 JSON_COLS = ("nodes", "leg_tokens")
 # quoted: `user` is a reserved word in PostgreSQL (unquoted it means CURRENT_USER)
@@ -36,6 +45,8 @@ async def write_usage(con: Any, keyed: list[tuple[UsageRecord, UsageKey]], now: 
     for r, key in keyed:
         if key is not UsageKey.NONE and await take_key(con, r, now, key):
             await insert_usage(con, [r], now)
+    if len(plain) < len(keyed):
+        await con.execute(_PRUNE, now - RETAIN_S, PRUNE_PER_WRITE * (len(keyed) - len(plain)))
     if plain:
         await insert_usage(con, plain, now)
 

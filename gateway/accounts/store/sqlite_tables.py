@@ -50,6 +50,7 @@ CREATE TABLE IF NOT EXISTS usage_keys (
     request_id TEXT PRIMARY KEY, team_id TEXT NOT NULL, cost_usd REAL NOT NULL,
     created_at REAL NOT NULL,
     billed_at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS usage_keys_billed ON usage_keys (billed_at);
 """
 #: columns later versions added to existing tables: (table, column, type)
 ADDED_COLUMNS = [

@@ -10,11 +10,20 @@ from typing import Any
 
 from gateway.accounts.store.base import USAGE_COLS, UsageKey, UsageRecord
 from gateway.accounts.store.rules import day_period, month_period
-from gateway.accounts.store.usage_keys import Earlier, Verdict, needs_status, verdict
+from gateway.accounts.store.usage_keys import (
+    PRUNE_PER_WRITE,
+    PRUNE_SQL,
+    RETAIN_S,
+    Earlier,
+    Verdict,
+    needs_status,
+    verdict,
+)
 
 _INSERT_USAGE = (
     f"INSERT INTO usage ({', '.join(USAGE_COLS)}) VALUES ({', '.join('?' * len(USAGE_COLS))})"
 )
+_PRUNE = PRUNE_SQL.format(lock="")
 _NODES = USAGE_COLS.index("nodes")
 _LEG_TOKENS = USAGE_COLS.index("leg_tokens")
 
@@ -85,4 +94,5 @@ def take_key(db: sqlite3.Connection, r: UsageRecord, now: float, key: UsageKey) 
         "billed_at=excluded.billed_at",
         (r.request_id, r.team_id, r.cost_usd, r.created_at, now),
     )
+    db.execute(_PRUNE, (now - RETAIN_S, PRUNE_PER_WRITE))
     return True

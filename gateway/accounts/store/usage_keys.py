@@ -10,12 +10,18 @@ SQLite write lock; the row's lock in PostgreSQL):
 - a batch line's rerun (`RERUN`) replaces the earlier record, whose spend is taken back: the
   line pays for the run that gave its result;
 - a client's retry (`RETRY`, its `Idempotency-Key`) replaces the earlier record only if that
-  was `expired` within `WINDOW_S` (the attempt died with its gateway; the retry is what the
-  client got), and is billed beside any other: a key whose request was answered, or one used
-  again after the window, is no free pass.
+  attempt gave the client nothing, within `WINDOW_S`: it was `expired` (it died with its
+  gateway) or refused before its first token (`error`, `shed`: no capacity, a node that failed
+  before answering) — the retry is what the client got. It is billed beside any other: a key
+  whose request was answered (even in part, or cut by the client), or one used again after the
+  window, is no free pass.
 
 A record never replaces another team's (a client's key is derived from its team: another
 team's same key is another key; this is the guard behind that).
+
+A key is kept `RETAIN_S` after it was last billed, then pruned: each keyed write deletes at
+most `PRUNE_PER_WRITE` keys past that age (`PRUNE_SQL`, on the `billed_at` index), so the table
+holds about the keys of the last `RETAIN_S` whatever the traffic, with no sweep of its own.
 """
 
 from __future__ import annotations
@@ -29,6 +35,20 @@ from gateway.accounts.store.expiry import EXPIRED
 #: how long a client's retry may replace its dead attempt's `expired` record (seconds): a day,
 #: as Stripe keeps idempotency keys
 WINDOW_S = 86400.0
+#: the statuses of an attempt that delivered nothing a retry may replace (the ledger's
+#: `UsageStatus` values, and `EXPIRED`)
+GAVE_NOTHING = frozenset({EXPIRED, "error", "shed"})
+#: how long a key is kept after its last billing (seconds): longer than a batch lives (30 days
+#: at most: a line may be rerun until then and must find its key) and than `WINDOW_S`
+RETAIN_S = 31 * 86400.0
+#: keys past `RETAIN_S` a keyed write deletes: more than the one it adds, so a backlog drains
+PRUNE_PER_WRITE = 4
+#: the prune (both dialects; `?` placeholders, PostgreSQL's written in by the caller): keys
+#: another transaction holds are skipped there, so two gateways pruning never wait on each other
+PRUNE_SQL = (
+    "DELETE FROM usage_keys WHERE request_id IN (SELECT request_id FROM usage_keys "
+    "WHERE billed_at < ? ORDER BY billed_at LIMIT ?{lock})"
+)
 
 
 class Verdict(Enum):
@@ -77,6 +97,6 @@ def verdict(
         return Verdict.BESIDE
     if mode is UsageKey.RERUN:
         return Verdict.REPLACE
-    if earlier.status == EXPIRED and now - earlier.billed_at <= WINDOW_S:
+    if earlier.status in GAVE_NOTHING and now - earlier.billed_at <= WINDOW_S:
         return Verdict.REPLACE
     return Verdict.BESIDE
