@@ -110,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("a", help="baseline result (A)")
     p.add_argument("b", help="result to compare with it (B)")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    p.add_argument(
+        "--plot",
+        metavar="DIR",
+        help="also draw both runs in DIR: latency CDFs and TTFT over the run (two runs only)",
+    )
     args = p.parse_args(argv)
     try:
         a, b = load(args.a), load(args.b)
@@ -121,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     name_b = b.get("label") or Path(args.b).stem
     if name_a == name_b:
         name_a, name_b = f"A: {name_a}", f"B: {name_b}"
+    if args.plot and "rows" in result:
+        from bench.plots import plot_runs
+
+        for path in plot_runs([(name_a, a), (name_b, b)], Path(args.plot)):
+            print(f"wrote {path}", file=sys.stderr)
     if args.json:
         print(json.dumps({"a": args.a, "b": args.b, **result}))
         return 0

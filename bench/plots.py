@@ -103,6 +103,12 @@ def _ttft_over_time(runs: list[tuple[str, dict[str, Any]]], out: Path) -> Path:
     return out / "ttft_over_time.png"
 
 
+def plot_runs(runs: list[tuple[str, dict[str, Any]]], out: Path) -> list[Path]:
+    """Several labelled runs on the same axes (`duet bench compare --plot`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    return _runs_cdfs(runs, out)
+
+
 def plot_run(result: dict[str, Any], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     return _runs_cdfs([(result.get("label") or "", result)], out)

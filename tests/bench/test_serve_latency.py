@@ -375,6 +375,9 @@ def test_sweep_finds_the_knee_and_compare_reads_results(
     assert rows["p99_ttft_ms"]["ratio"] == pytest.approx(
         s["runs"][2]["p99_ttft_ms"] / s["runs"][0]["p99_ttft_ms"]
     )
+    assert compare_main([str(a), str(b), "--plot", str(tmp_path / "ab")]) == 0
+    assert (tmp_path / "ab" / "ttft_over_time.png").stat().st_size > 0
+    capsys.readouterr()
     assert compare_main([str(sweep_file), str(sweep_file), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["knee"] == {"a": 4.0, "b": 4.0}
     assert compare_main([str(a), str(sweep_file)]) == 2
