@@ -2,13 +2,17 @@
 
 Order (each step can fail with a defined answer, never a hang):
 1. validate `kv_transfer_params`: fields present and well-typed, the address allowed by the
-   PeerPolicy and, on a node with a cluster, the engine a registered prefill-capable node at
-   that address (403 without any connection otherwise), the block count consistent with the
+   PeerPolicy (403 without any connection otherwise), the block count consistent with the
    prompt; a 400 from here on releases P's blocks (when the ids are the request's: P checks),
    so a bad request does not pin them until the lease ends; a guided leg takes P's sampled
    token (`first_token_id`) as its output's first, and the engine refuses it (400) unless the
    grammar allows it after the tokens so far (a migrated leg's `resume` tokens), so D's matcher
-   continues from P's token; an unguided leg samples its first token itself;
+   continues from P's token; an unguided leg samples its first token itself. On a node with
+   a cluster, an engine this node does not see registered as a prefill-capable node at that
+   address is never contacted (nor released): the leg goes on as after a failed pull
+   (`NOT_A_MEMBER`), so the prompt is prefilled here (or a 502 under `fail`). This node's
+   view of etcd can lag the coordinator's that chose P (an etcd member cut off): the client's
+   request is not the one at fault;
 2. get the peer (cached metadata, or fetched from P; an engine id P does not run → 400; a
    transport address in P's metadata outside the allowed networks or off the named host →
    403, before the transport connects);
@@ -55,9 +59,12 @@ def remote_kv(node: Node) -> RemoteKV:
     return rk
 
 
-async def _source(rk: RemoteKV, p: KVTransferParams, members: Membership | None) -> Source:
+async def _source(
+    rk: RemoteKV, p: KVTransferParams, members: Membership | None
+) -> tuple[Source, str | None]:
     """Step 1a: the fields a contact needs, the policy's word on the address, and with a
-    cluster, the engine is a registered prefill-capable node at that address."""
+    cluster, whether the engine is a registered prefill-capable node at that address (why not,
+    or None)."""
     missing = [
         f
         for f in (
@@ -106,9 +113,10 @@ async def _source(rk: RemoteKV, p: KVTransferParams, members: Membership | None)
             param="kv_transfer_params",
             code="peer_not_allowed",
         )
+    refused = None
     if members is not None:
-        await _registered(rk, members, p.remote_engine_id, addrs, p.remote_port)
-    return Source(
+        refused = await _registered(rk, members, p.remote_engine_id, addrs, p.remote_port)
+    src = Source(
         p.remote_engine_id,
         addrs[0],
         p.remote_port,
@@ -117,13 +125,14 @@ async def _source(rk: RemoteKV, p: KVTransferParams, members: Membership | None)
         tuple(addrs),
         p.remote_block_digests,
     )
+    return src, refused
 
 
 async def _registered(
     rk: RemoteKV, members: Membership, engine_id: str, addrs: list[str], port: int
-) -> None:
+) -> str | None:
     """With a cluster, only its registered prefill-capable nodes are pulled from, at the address
-    they registered (node.members)."""
+    they registered (node.members): why this one is not, or None."""
     if not members.listed:
         raise _Unavailable("this node has not read the cluster's registrations yet; retry shortly")
     where = members.kv_source(engine_id)
@@ -134,13 +143,8 @@ async def _registered(
             f"engine {engine_id!r} is registered at {where[0]}:{where[1]}, not {addrs[0]}:{port}"
         )
     else:
-        return
-    raise APIError(
-        403,
-        f"refusing to contact the prefill node: {reason}",
-        param="kv_transfer_params",
-        code="peer_not_allowed",
-    )
+        return None
+    return f"refusing to contact the prefill node: {reason}"
 
 
 def _check_shape(src: Source, p: KVTransferParams, prep: Prepared, block_size: int) -> None:
@@ -194,30 +198,40 @@ async def decode_leg(leg: LegContext) -> web.StreamResponse:
     rk = remote_kv(leg.node)
     p, prep = leg.prep.kv_params, leg.prep
     assert p is not None
-    src = await _source(rk, p, leg.node.members)  # refused here: P is never contacted
+    src, refused = await _source(rk, p, leg.node.members)  # refused: P is never contacted
+    release = _no_release if refused is not None else release_quietly
     try:
         _check_shape(src, p, prep, leg.node.engine.kv_layout.block_size)
-    except APIError:
-        await release_quietly(rk, src)
-        raise
-    try:
         params = _params(p, prep)
     except APIError:
-        await release_quietly(rk, src)
+        await release(rk, src)
         raise
-    peer, failure = await _connect(rk, src)
+    peer: Peer | None
+    failure: Pull | None
+    if refused is not None:
+        log.warning("%s; the prompt is prefilled here instead", refused)
+        peer, failure = None, Pull(PullOutcome.NOT_A_MEMBER, refused)
+    else:
+        peer, failure = await _connect(rk, src)
     try:
         stream = await leg.start(params, KVHandoff(remote_num_tokens=len(prep.prompt_ids)))
     except BaseException:
-        await release_quietly(rk, src)
+        await release(rk, src)
         raise
-    transfer = asyncio.ensure_future(Puller(leg, rk, src, stream).run(peer, failure))
+    puller = Puller(leg, rk, src, stream)
+    puller.released = refused is not None  # a node this one does not know is not asked
+    transfer = asyncio.ensure_future(puller.run(peer, failure))
     try:
         pull = await asyncio.shield(transfer)
     except asyncio.CancelledError:
         await leg.abort()  # the transfer task still tells the engine when it ends
         raise
     return await _answer(leg, src, pull, stream)
+
+
+async def _no_release(rk: RemoteKV, src: Source) -> None:
+    """A source that is not a member is not contacted, not even to free its blocks (its lease
+    frees them)."""
 
 
 async def _connect(rk: RemoteKV, src: Source) -> tuple[Peer | None, Pull | None]:

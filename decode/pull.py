@@ -43,6 +43,8 @@ class PullOutcome(enum.Enum):
     ABORTED = "aborted"
     #: the bytes read did not match P's content digests (corrupt in transit or at P)
     DIGEST_MISMATCH = "digest_mismatch"
+    #: P is not a registered prefill node of this cluster as this node sees it: never contacted
+    NOT_A_MEMBER = "not_a_member"
 
 
 @dataclass(frozen=True)
