@@ -140,6 +140,11 @@ def dumps(x: Any) -> str | None:
     return None if x is None else json.dumps(x)
 
 
+def text_bytes(*texts: str | None) -> int:
+    """The bytes the texts take in the store (None: none)."""
+    return sum(len(t.encode()) for t in texts if t is not None)
+
+
 def loads(text: str | None) -> Any:
     return None if text is None else json.loads(text)
 

@@ -120,21 +120,33 @@ class PostgresBatchClaims(BatchTables):
         error: dict[str, Any] | None,
         now: float,
     ) -> bool:
-        tag = await (await self._p()).execute(
-            "UPDATE batch_requests SET state=$1, status_code=$2, request_id=$3, response=$4, "
-            "error=$5, finished_at=$6, claimed_by=NULL, lease_until=NULL WHERE batch_id=$7 "
-            "AND custom_id=$8 AND state='running' AND claimed_by=$9",
-            "succeeded" if ok else "failed",
-            status_code,
-            request_id,
-            rows.dumps(response),
-            rows.dumps(error),
-            now,
-            batch_id,
-            custom_id,
-            worker,
-        )
-        return tag_count(tag) == 1
+        resp, err = rows.dumps(response), rows.dumps(error)
+        async with (await self._p()).acquire() as con, con.transaction():
+            # the batch's row first, as finish_batch and cancel_batch take them: no deadlock
+            await con.execute("SELECT 1 FROM batches WHERE id=$1 FOR UPDATE", batch_id)
+            tag = await con.execute(
+                "UPDATE batch_requests SET state=$1, status_code=$2, request_id=$3, response=$4, "
+                "error=$5, finished_at=$6, claimed_by=NULL, lease_until=NULL WHERE batch_id=$7 "
+                "AND custom_id=$8 AND state='running' AND claimed_by=$9",
+                "succeeded" if ok else "failed",
+                status_code,
+                request_id,
+                resp,
+                err,
+                now,
+                batch_id,
+                custom_id,
+                worker,
+            )
+            if tag_count(tag) != 1:
+                return False
+            # the result is held here until the batch ends: it counts in the team's storage
+            await con.execute(
+                "UPDATE batches SET body_bytes=body_bytes+$1 WHERE id=$2",
+                rows.text_bytes(resp, err),
+                batch_id,
+            )
+            return True
 
     async def retry_request(
         self,
@@ -228,7 +240,8 @@ class PostgresBatchClaims(BatchTables):
                 rows.leftover_state(status),
                 batch_id,
             )
-            # The bodies were copies of the input file, kept to run them: gone with the batch.
+            # The bodies were copies of the input file, kept to run them: gone with the batch
+            # (the results are in its files now).
             await con.execute("UPDATE batch_requests SET body='' WHERE batch_id=$1", batch_id)
             await con.execute("UPDATE batches SET body_bytes=0 WHERE id=$1", batch_id)
             for f in files:

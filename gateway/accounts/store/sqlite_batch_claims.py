@@ -122,8 +122,10 @@ class SqliteBatchClaims(BatchTables):
         error: dict[str, Any] | None,
         now: float,
     ) -> bool:
+        resp, err = rows.dumps(response), rows.dumps(error)
+
         def q(db: sqlite3.Connection) -> bool:
-            return (
+            if (
                 db.execute(
                     "UPDATE batch_requests SET state=?, status_code=?, request_id=?, response=?, "
                     "error=?, finished_at=?, claimed_by=NULL, lease_until=NULL "
@@ -132,16 +134,23 @@ class SqliteBatchClaims(BatchTables):
                         "succeeded" if ok else "failed",
                         status_code,
                         request_id,
-                        rows.dumps(response),
-                        rows.dumps(error),
+                        resp,
+                        err,
                         now,
                         batch_id,
                         custom_id,
                         worker,
                     ),
                 ).rowcount
-                == 1
+                != 1
+            ):
+                return False
+            # the result is held here until the batch ends: it counts in the team's storage
+            db.execute(
+                "UPDATE batches SET body_bytes=body_bytes+? WHERE id=?",
+                (rows.text_bytes(resp, err), batch_id),
             )
+            return True
 
         return await self._batch.write(q)
 
@@ -237,7 +246,8 @@ class SqliteBatchClaims(BatchTables):
                 "WHERE batch_id=? AND state IN ('pending','running','cancelled')",
                 (rows.leftover_state(status), batch_id),
             )
-            # The bodies were copies of the input file, kept to run them: gone with the batch.
+            # The bodies were copies of the input file, kept to run them: gone with the batch
+            # (the results are in its files now).
             db.execute("UPDATE batch_requests SET body='' WHERE batch_id=?", (batch_id,))
             db.execute("UPDATE batches SET body_bytes=0 WHERE id=?", (batch_id,))
             for f in files:
