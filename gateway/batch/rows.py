@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,9 +109,19 @@ BATCH_COLS = (
     "id, team_id, kind, endpoint, input_file_id, completion_window, status, priority, metadata, "
     "errors, total, output_file_id, error_file_id, created_at, in_progress_at, expires_at, "
     "finalizing_at, completed_at, failed_at, expired_at, cancelling_at, cancelled_at, "
-    "callback_url, callback_state, callback_attempts"
+    "callback_url, callback_state, callback_attempts, n_succeeded, n_failed"
 )
 FILE_COLS = "id, team_id, purpose, filename, bytes, created_at, expires_at"
+#: a batch's request counts (by outcome) as the store keeps them on its row, and how an older
+#: table without them gains them: counted once, from its lines
+COUNT_COLS = ("n_succeeded", "n_failed")
+BACKFILL_COUNTS = (
+    "UPDATE batches SET "
+    "n_succeeded=(SELECT COUNT(*) FROM batch_requests r WHERE r.batch_id=batches.id "
+    "AND r.state='succeeded'), "
+    "n_failed=(SELECT COUNT(*) FROM batch_requests r WHERE r.batch_id=batches.id "
+    "AND r.state='failed')"
+)
 _BATCH_INSERT_COLS = (
     "id, team_id, kind, endpoint, input_file_id, completion_window, status, priority, "
     "metadata, errors, total, created_at, in_progress_at, expires_at, failed_at, callback_url"
@@ -214,11 +224,10 @@ def callback_state(delivered: bool, next_at: float | None) -> str:
 
 
 # -- rows back into records ------------------------------------------------------------------
-def batch_row(r: Sequence[Any], counts: Mapping[str, int]) -> BatchRow:
-    """A BATCH_COLS row and its requests' counts by state."""
-    rc = RequestCounts(
-        total=r[10], completed=counts.get("succeeded", 0), failed=counts.get("failed", 0)
-    )
+def batch_row(r: Sequence[Any]) -> BatchRow:
+    """A BATCH_COLS row (its request counts are columns of it, kept by `finish_request`: a
+    listing never counts a batch's lines)."""
+    rc = RequestCounts(total=r[10], completed=r[25], failed=r[26])
     return BatchRow(
         id=r[0],
         team_id=r[1],

@@ -25,7 +25,6 @@ from gateway.accounts.store.batch_tables import OPEN, Conflict, TeamLimit
 from gateway.accounts.store.postgres_batch_claims import (
     LIVE,
     PostgresBatchClaims,
-    batch_row_of,
     cursor_of,
     insert_file_row,
     lock_team,
@@ -64,7 +63,8 @@ CREATE TABLE IF NOT EXISTS batches (
     lease_until DOUBLE PRECISION, callback_url TEXT, callback_state TEXT,
     callback_attempts INTEGER NOT NULL DEFAULT 0, callback_next_at DOUBLE PRECISION,
     callback_error TEXT,
-    body_bytes BIGINT NOT NULL DEFAULT 0);
+    body_bytes BIGINT NOT NULL DEFAULT 0,
+    n_succeeded INTEGER NOT NULL DEFAULT 0, n_failed INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS batches_team ON batches (team_id, seq);
 CREATE INDEX IF NOT EXISTS batches_status ON batches (status);
 CREATE TABLE IF NOT EXISTS batch_requests (
@@ -82,9 +82,9 @@ CREATE INDEX IF NOT EXISTS batch_requests_line ON batch_requests (batch_id, line
 FINISHED_INDEX = (
     "CREATE INDEX IF NOT EXISTS batch_requests_finished ON batch_requests (state, finished_at)"
 )
-_HAS_BODY_BYTES = (
+_HAS_COLUMN = (
     "SELECT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_name='batches' "
-    "AND column_name='body_bytes' AND table_schema=current_schema())"
+    "AND column_name=$1 AND table_schema=current_schema())"
 )
 #: serializes schema creation between gateways starting at once (CREATE IF NOT EXISTS races)
 _SCHEMA_LOCK = 0x6475657462617463
@@ -99,8 +99,13 @@ async def create_batch_tables(pool: asyncpg.Pool) -> None:
         # with two gateways starting at once).
         if await con.fetchval("SELECT to_regclass('batch_requests_line')") is None:
             await con.execute(SCHEMA)
-        if not await con.fetchval(_HAS_BODY_BYTES):  # tables of an earlier version
+        # tables of an earlier version
+        if not await con.fetchval(_HAS_COLUMN, "body_bytes"):
             await con.execute("ALTER TABLE batches ADD COLUMN body_bytes BIGINT NOT NULL DEFAULT 0")
+        if not await con.fetchval(_HAS_COLUMN, "n_failed"):
+            for c in rows.COUNT_COLS:
+                await con.execute(f"ALTER TABLE batches ADD COLUMN {c} INTEGER NOT NULL DEFAULT 0")
+            await con.execute(rows.BACKFILL_COUNTS)
         if await con.fetchval("SELECT to_regclass('batch_requests_finished')") is None:
             await con.execute(FINISHED_INDEX)
 
@@ -203,7 +208,7 @@ class PostgresBatchTables(PostgresBatchClaims):
                 batch_id,
                 team_id,
             )
-            return await batch_row_of(con, r) if r else None
+            return rows.batch_row(r) if r else None
 
     async def list_batches(
         self, team_id: str, after: str | None, limit: int
@@ -217,7 +222,7 @@ class PostgresBatchTables(PostgresBatchClaims):
                 cursor,
                 limit + 1,
             )
-            return [await batch_row_of(con, r) for r in found[:limit]], len(found) > limit
+            return [rows.batch_row(r) for r in found[:limit]], len(found) > limit
 
     async def cancel_batch(self, team_id: str, batch_id: str, now: float) -> BatchRow | None:
         async with (await self._p()).acquire() as con, con.transaction():
@@ -243,7 +248,7 @@ class PostgresBatchTables(PostgresBatchClaims):
             elif status != "cancelling":
                 raise Conflict(f"a batch that is {status} cannot be cancelled")
             r = await con.fetchrow(f"SELECT {BATCH_COLS} FROM batches WHERE id=$1", batch_id)
-            return await batch_row_of(con, r)
+            return rows.batch_row(r)
 
     async def team_holdings(self, team_id: str) -> tuple[int, int]:
         async with (await self._p()).acquire() as con:

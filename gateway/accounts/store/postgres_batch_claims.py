@@ -141,8 +141,10 @@ class PostgresBatchClaims(BatchTables):
             if tag_count(tag) != 1:
                 return False
             # the result is held here until the batch ends: it counts in the team's storage
+            # ... and the batch's counts are kept here, not counted per listed batch
+            col = "n_succeeded" if ok else "n_failed"
             await con.execute(
-                "UPDATE batches SET body_bytes=body_bytes+$1 WHERE id=$2",
+                f"UPDATE batches SET body_bytes=body_bytes+$1, {col}={col}+1 WHERE id=$2",
                 rows.text_bytes(resp, err),
                 batch_id,
             )
@@ -264,7 +266,7 @@ class PostgresBatchClaims(BatchTables):
                     now + lease_s,
                     r[0],
                 )
-            return [await batch_row_of(con, r) for r in found]
+            return [rows.batch_row(r) for r in found]
 
     async def callback_result(
         self,
@@ -355,12 +357,3 @@ async def cursor_of(con: Any, table: str, team_id: str, after: str | None) -> in
         if seq is not None:
             return int(seq)
     return 2**62
-
-
-async def batch_row_of(con: Any, r: Sequence[Any]) -> BatchRow:
-    counts = dict(
-        await con.fetch(
-            "SELECT state, COUNT(*) FROM batch_requests WHERE batch_id=$1 GROUP BY state", r[0]
-        )
-    )
-    return rows.batch_row(r, counts)

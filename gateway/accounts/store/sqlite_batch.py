@@ -21,7 +21,6 @@ from gateway.accounts.store.batch_tables import OPEN, Conflict, TeamLimit
 from gateway.accounts.store.sqlite_batch_claims import (
     LIVE,
     SqliteBatchClaims,
-    batch_row_of,
     cursor_of,
     insert_file_row,
     marks,
@@ -77,7 +76,9 @@ CREATE TABLE IF NOT EXISTS batches (
     callback_attempts INTEGER NOT NULL DEFAULT 0,
     callback_next_at REAL,
     callback_error TEXT,
-    body_bytes INTEGER NOT NULL DEFAULT 0
+    body_bytes INTEGER NOT NULL DEFAULT 0,
+    n_succeeded INTEGER NOT NULL DEFAULT 0,
+    n_failed INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS batches_team ON batches (team_id, seq);
 CREATE INDEX IF NOT EXISTS batches_status ON batches (status);
@@ -111,14 +112,19 @@ FINISHED_INDEX = (
 
 
 def init_batch_tables(db: sqlite3.Connection) -> None:
-    """Create the tables (and bring an older file up to date: `expires_at` and `body_bytes`
-    came later)."""
+    """Create the tables (and bring an older file up to date: `expires_at`, `body_bytes` and
+    the request counts came later)."""
     db.executescript(SCHEMA)
     db.execute(FINISHED_INDEX)
     if "expires_at" not in {r[1] for r in db.execute("PRAGMA table_info(batch_files)")}:
         db.execute("ALTER TABLE batch_files ADD COLUMN expires_at REAL")
-    if "body_bytes" not in {r[1] for r in db.execute("PRAGMA table_info(batches)")}:
+    cols = {r[1] for r in db.execute("PRAGMA table_info(batches)")}
+    if "body_bytes" not in cols:
         db.execute("ALTER TABLE batches ADD COLUMN body_bytes INTEGER NOT NULL DEFAULT 0")
+    if not cols.issuperset(rows.COUNT_COLS):
+        for c in rows.COUNT_COLS:
+            db.execute(f"ALTER TABLE batches ADD COLUMN {c} INTEGER NOT NULL DEFAULT 0")
+        db.execute(rows.BACKFILL_COUNTS)
 
 
 class SqliteBatchTables(SqliteBatchClaims):
@@ -228,7 +234,7 @@ class SqliteBatchTables(SqliteBatchClaims):
                 f"SELECT {BATCH_COLS} FROM batches WHERE id=? AND (? IS NULL OR team_id=?)",
                 (batch_id, team_id, team_id),
             ).fetchone()
-            return batch_row_of(db, r) if r else None
+            return rows.batch_row(r) if r else None
 
         return await self._batch.read(q)
 
@@ -242,7 +248,7 @@ class SqliteBatchTables(SqliteBatchClaims):
                 "ORDER BY seq DESC LIMIT ?",
                 (team_id, cursor, limit + 1),
             ).fetchall()
-            return [batch_row_of(db, r) for r in found[:limit]], len(found) > limit
+            return [rows.batch_row(r) for r in found[:limit]], len(found) > limit
 
         return await self._batch.read(q)
 
@@ -267,7 +273,7 @@ class SqliteBatchTables(SqliteBatchClaims):
             elif r[0] != "cancelling":
                 raise Conflict(f"a batch that is {r[0]} cannot be cancelled")
             row = db.execute(f"SELECT {BATCH_COLS} FROM batches WHERE id=?", (batch_id,)).fetchone()
-            return batch_row_of(db, row)
+            return rows.batch_row(row)
 
         return await self._batch.write(q)
 

@@ -25,6 +25,8 @@ from gateway.batch.rows import (
     ResultRow,
 )
 
+#: the batches' column counting a finished line, by its outcome (ok)
+_COUNT = {True: "n_succeeded", False: "n_failed"}
 #: a file not expired (OpenAI's `expires_after`), as of the query's `now` parameter
 LIVE = "(expires_at IS NULL OR expires_at > ?)"
 
@@ -146,8 +148,10 @@ class SqliteBatchClaims(BatchTables):
             ):
                 return False
             # the result is held here until the batch ends: it counts in the team's storage
+            # ... and the batch's counts are kept here, not counted per listed batch
             db.execute(
-                "UPDATE batches SET body_bytes=body_bytes+? WHERE id=?",
+                f"UPDATE batches SET body_bytes=body_bytes+?, {_COUNT[ok]}={_COUNT[ok]}+1 "
+                "WHERE id=?",
                 (rows.text_bytes(resp, err), batch_id),
             )
             return True
@@ -269,7 +273,7 @@ class SqliteBatchClaims(BatchTables):
                     "callback_attempts=callback_attempts+1 WHERE id=?",
                     (worker, now + lease_s, r[0]),
                 )
-            return [batch_row_of(db, r) for r in found]
+            return [rows.batch_row(r) for r in found]
 
         return await self._batch.write(q)
 
@@ -354,12 +358,3 @@ def cursor_of(db: sqlite3.Connection, table: str, team_id: str, after: str | Non
         if r:
             return int(r[0])
     return 2**62
-
-
-def batch_row_of(db: sqlite3.Connection, r: Sequence[Any]) -> BatchRow:
-    counts = dict(
-        db.execute(
-            "SELECT state, COUNT(*) FROM batch_requests WHERE batch_id=? GROUP BY state", (r[0],)
-        ).fetchall()
-    )
-    return rows.batch_row(r, counts)
