@@ -152,8 +152,11 @@ class SimpleBatchStatus(msgspec.Struct, frozen=True, kw_only=True):
     output_file_id: str | None
     error_file_id: str | None
     errors: BatchErrors | None = None
-    #: the output lines, in input order, once the batch has ended
-    results: list[OutputLine] | None = None
+    #: once the batch has ended, a page of its output lines (gateway/batch/results_page.py):
+    #: the output file's, then the error file's, each in input order
+    results: list[msgspec.Raw] | None = None
+    #: `after` for the next page of results; None on the last
+    next_after: str | None = None
 
 
 class CallbackPayload(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,6 +1,6 @@
 """The seed's simple batch form: `POST /v1/batch {requests, callback_url, priority}` →
-`{batch_id, status, estimated_completion}`, and `GET /v1/batch/{id}` (status, counts and, once
-the batch has ended, its results inline).
+`{batch_id, status, estimated_completion}`, and `GET /v1/batch/{id}?limit=&after=` (status,
+counts and, once the batch has ended, a page of its results: results_page.py).
 
 Each request is an OpenAI body (`{"model", "messages"}` or `{"model", "prompt"}`), or
 `{"custom_id"?, "url"?, "body"}` to name it; line numbers in errors are 1-based positions in
@@ -39,8 +39,8 @@ from gateway.batch.models import (
     SimpleBatchStatus,
     SimpleRequest,
 )
+from gateway.batch.results_page import Cursor, Page, parse_cursor, parse_limit, read_page
 from gateway.batch.rows import BatchRow, FileRow
-from gateway.batch.runner import output_line
 from gateway.batch.submit import (
     api_handler,
     batch_object,
@@ -208,23 +208,35 @@ def add_simple_routes(
 
     async def status(request: web.Request) -> web.Response:
         team = await team_of(request, authenticate)
+        limit = parse_limit(request.query.get("limit"))
+        after = parse_cursor(request.query.get("after"))
         bid = request.match_info["batch_id"]
         row = await store.get_batch(team, bid)
         if row is None:
             raise APIError(404, f"No such Batch: {bid!r}", param="id", code="not_found")
-        return json_response(await simple_status(store, config, row))
+        return json_response(await simple_status(store, config, row, files, (after, limit)))
 
     router.add_route("POST", "/v1/batch", api_handler(create))
     router.add_route("GET", "/v1/batch/{batch_id}", api_handler(status))
 
 
 async def simple_status(
-    store: BatchTables, config: BatchConfig, row: BatchRow
+    store: BatchTables,
+    config: BatchConfig,
+    row: BatchRow,
+    files: FileStore,
+    page_at: tuple[Cursor, int],
 ) -> SimpleBatchStatus:
-    results = None
+    """The batch's state; once it has ended, the page of its results `page_at` (after, limit)
+    names, from its files (those its team still has)."""
+    page: Page | None = None
     est: float | None = None
     if row.status in TERMINAL:
-        results = [output_line(row.id, r) for r in await store.results(row.id)]
+        parts = [
+            f if f is not None and await store.get_file(row.team_id, f) else None
+            for f in (row.output_file_id, row.error_file_id)
+        ]
+        page = await asyncio.to_thread(read_page, files, parts, *page_at)
     else:
         left = row.counts.total - row.counts.completed - row.counts.failed
         est = min(
@@ -241,5 +253,6 @@ async def simple_status(
         output_file_id=row.output_file_id,
         error_file_id=row.error_file_id,
         errors=obj.errors,
-        results=results,
+        results=None if page is None else page.lines,
+        next_after=None if page is None else page.next_after,
     )
