@@ -6,9 +6,10 @@ into a record.
 Only the SQL differs between the stores (placeholders `?` vs `$n`, locking); the stores pass
 `marks` for their placeholder style and otherwise share everything here.
 
-Request states: pending → running → succeeded | failed; pending → cancelled (batch cancelled);
-at the batch's end what never ran becomes expired or cancelled. A running row whose lease
-lapsed counts as pending (its runner died).
+Request states: pending → running → succeeded | failed; pending → cancelled (batch cancelled).
+A running row whose lease lapsed counts as pending (its runner died). When the batch ends its
+rows are deleted: the runner has written every line's outcome into the batch's files (what
+never ran as `batch_expired` or `batch_cancelled`), and the counts stay on the batch's row.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ BATCH_COLS = (
 )
 FILE_COLS = "id, team_id, purpose, filename, bytes, created_at, expires_at"
 #: a batch's request counts (by outcome) as the store keeps them on its row, and how an older
-#: table without them gains them: counted once, from its lines
+#: table without them gains them: counted once, from its lines, then the lines of the batches
+#: that had ended dropped (as `finish_batch` now does; their results are in their files)
 COUNT_COLS = ("n_succeeded", "n_failed")
 BACKFILL_COUNTS = (
     "UPDATE batches SET "
@@ -121,6 +123,10 @@ BACKFILL_COUNTS = (
     "AND r.state='succeeded'), "
     "n_failed=(SELECT COUNT(*) FROM batch_requests r WHERE r.batch_id=batches.id "
     "AND r.state='failed')"
+)
+DROP_ENDED_LINES = (
+    "DELETE FROM batch_requests WHERE batch_id IN (SELECT id FROM batches WHERE status IN "
+    "('completed', 'failed', 'expired', 'cancelled'))"
 )
 _BATCH_INSERT_COLS = (
     "id, team_id, kind, endpoint, input_file_id, completion_window, status, priority, "
@@ -207,11 +213,6 @@ class RequestValues:
 def callback_starts_at_creation(row: BatchRow) -> bool:
     """A batch that failed validation has nothing to run: its callback is due at once."""
     return bool(row.callback_url) and row.status == "failed"
-
-
-def leftover_state(status: str) -> str:
-    """What a request that never ran becomes when its batch ends with `status`."""
-    return "expired" if status == "expired" else "cancelled"
 
 
 def check_final(status: str) -> None:

@@ -1,8 +1,8 @@
 """A batch's request counts are columns of its row, kept as its lines finish: getting or
 listing batches reads no line (a listing of 100 batches of 50,000 lines counted 5 million rows
 per call), and the counts outlive the lines (the store drops an ended batch's lines). A table
-from before the columns gains them, counted once from its lines, on open. Both stores: a SQLite
-file and a real PostgreSQL (pgserver)."""
+from before the columns gains them on open, counted once from its lines, and loses the lines of
+its ended batches. Both stores: a SQLite file and a real PostgreSQL (pgserver)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from gateway.batch.models import RequestCounts
 from gateway.batch.rows import NewRequest
 from tests.batch.test_store import batch
 
-#: runs one SQL statement on the store's database, beside the store
-Raw = Callable[[str], Awaitable[None]]
+#: runs one SQL statement on the store's database, beside the store: its first value, if any
+Raw = Callable[[str], Awaitable[Any]]
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -29,17 +29,18 @@ def store_and_sql(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Any, 
     if request.param == "sqlite":
         path = tmp_path / "batch.sqlite3"
 
-        async def sqlite_raw(sql: str) -> None:
+        async def sqlite_raw(sql: str) -> Any:
             with sqlite3.connect(path) as db:
-                db.execute(sql)
+                row = db.execute(sql).fetchone()
+            return None if row is None else row[0]
 
         return lambda: SqliteBatchStore(path), sqlite_raw
     dsn = request.getfixturevalue("postgres_db")
 
-    async def pg_raw(sql: str) -> None:
+    async def pg_raw(sql: str) -> Any:
         con = await asyncpg.connect(dsn)
         try:
-            await con.execute(sql)
+            return await con.fetchval(sql)
         finally:
             await con.close()
 
@@ -80,8 +81,25 @@ async def test_an_older_table_gains_its_counts(store_and_sql: tuple[Any, Raw]) -
         s.close()
     await sql("ALTER TABLE batches DROP COLUMN n_succeeded")
     await sql("ALTER TABLE batches DROP COLUMN n_failed")
+    await sql("UPDATE batches SET status='completed'")  # ended before its lines were dropped
     s = open_store()
     try:
+        assert (await s.get_batch("t", "batch_1")).counts == COUNTS
+        assert await sql("SELECT COUNT(*) FROM batch_requests") == 0
+    finally:
+        s.close()
+
+
+async def test_an_ended_batch_leaves_no_lines(store_and_sql: tuple[Any, Raw]) -> None:
+    open_store, sql = store_and_sql
+    s = open_store()
+    try:
+        await _ran(s)
+        await s.create_batch(batch("batch_2", 0.0), [NewRequest(line=1, custom_id="x", body="{}")])
+        assert await s.claim_finalizable("A", 10, now=3.0) == ["batch_1"]
+        assert await s.finish_batch("A", "batch_1", "completed", [], None, None, 3.0)
+        assert await sql("SELECT COUNT(*) FROM batch_requests WHERE batch_id='batch_1'") == 0
+        assert await sql("SELECT COUNT(*) FROM batch_requests") == 1  # batch_2's, still open
         assert (await s.get_batch("t", "batch_1")).counts == COUNTS
     finally:
         s.close()

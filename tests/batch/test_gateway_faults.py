@@ -58,9 +58,10 @@ async def test_gateway_sigkill_mid_batch_then_restart(tiny_llama: Path, tmp_path
         x["custom_id"] for x in lines
     ]  # exactly one each, in order
     assert all(o["response"]["status_code"] == 200 for o in out)
-    after = succeeded(tmp_path / "batch" / "batch.sqlite3", batch_id)
-    for custom_id, row in before.items():  # checkpointed results were not run again
-        assert after[custom_id] == row
+    by_id = {o["custom_id"]: o["response"] for o in out}
+    for custom_id, (rid, resp) in before.items():  # checkpointed results were not run again
+        assert (by_id[custom_id]["request_id"], by_id[custom_id]["body"]) == (rid, json.loads(resp))
+    assert succeeded(tmp_path / "batch" / "batch.sqlite3", batch_id) == {}  # ended: lines gone
     # every output line was served, and accounted, by a gateway at the batch tier
     ok = {
         r["request_id"]: r

@@ -6,6 +6,7 @@ no model runs."""
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,9 @@ async def test_results_come_a_page_at_a_time(tmp_path: Path, tiny_llama: Path, s
                 break
             query = f"?limit=3&after={page['next_after']}"
         assert seen == [f"request-{i}" for i in range(1, N + 1)] and pages == 3
+        # the ended batch's lines left the store: its results are its files'
+        with sqlite3.connect(tmp_path / "batch.sqlite3") as db:
+            assert db.execute("SELECT COUNT(*) FROM batch_requests").fetchone() == (0,)
         # the default page holds them all; a bad limit or cursor is a 400, not a full read
         assert len((await get())[1]["results"]) == N
         for bad in ("?limit=0", "?limit=1001", "?limit=x", "?after=2.0", "?after=abc"):

@@ -1,7 +1,9 @@
-"""The batch tier's tables behind the one store: files, batches and one row per request (its
-claim and, once finished, its result). `BatchTables` is their interface; the SQLite and the
-PostgreSQL store implement it beside the accounts' tables (base.py `Store`), and the rows and
-their mapping to columns are gateway/batch/rows.py's, shared by both.
+"""The batch tier's tables behind the one store: files, batches and, while a batch has not
+ended, one row per request (its claim and, once finished, its result; `finish_batch` deletes
+them once the results are in the batch's files, so the table holds open batches' lines only).
+`BatchTables` is their interface; the SQLite and the PostgreSQL store implement it beside the
+accounts' tables (base.py `Store`), and the rows and their mapping to columns are
+gateway/batch/rows.py's, shared by both.
 
 Invariants:
 - (batch_id, custom_id) is the primary key of `batch_requests`: one row, hence at most one
@@ -146,7 +148,11 @@ class BatchTables(ABC):
         output_file_id: str | None,
         error_file_id: str | None,
         now: float,
-    ) -> bool: ...
+    ) -> bool:
+        """End the batch held by `worker` with `status`, its `files` (the output and error
+        files, every line's outcome) stored, and its request rows deleted; False (nothing
+        written) when `worker` no longer holds it."""
+
     @abstractmethod
     async def claim_callbacks(self, worker: str, lease_s: float, now: float) -> list[BatchRow]: ...
     @abstractmethod

@@ -106,6 +106,7 @@ async def create_batch_tables(pool: asyncpg.Pool) -> None:
             for c in rows.COUNT_COLS:
                 await con.execute(f"ALTER TABLE batches ADD COLUMN {c} INTEGER NOT NULL DEFAULT 0")
             await con.execute(rows.BACKFILL_COUNTS)
+            await con.execute(rows.DROP_ENDED_LINES)
         if await con.fetchval("SELECT to_regclass('batch_requests_finished')") is None:
             await con.execute(FINISHED_INDEX)
 

@@ -235,16 +235,9 @@ class PostgresBatchClaims(BatchTables):
             )
             if tag_count(tag) != 1:
                 return False
-            # Requests that never ran now say why, so counts and files agree after the end.
-            await con.execute(
-                "UPDATE batch_requests SET state=$1, claimed_by=NULL, lease_until=NULL "
-                "WHERE batch_id=$2 AND state IN ('pending','running','cancelled')",
-                rows.leftover_state(status),
-                batch_id,
-            )
-            # The bodies were copies of the input file, kept to run them: gone with the batch
-            # (the results are in its files now).
-            await con.execute("UPDATE batch_requests SET body='' WHERE batch_id=$1", batch_id)
+            # The lines go with the batch: their bodies were copies of the input file, their
+            # results are in its files now, and its counts are its row's.
+            await con.execute("DELETE FROM batch_requests WHERE batch_id=$1", batch_id)
             await con.execute("UPDATE batches SET body_bytes=0 WHERE id=$1", batch_id)
             for f in files:
                 await insert_file_row(con, f)

@@ -125,6 +125,7 @@ def init_batch_tables(db: sqlite3.Connection) -> None:
         for c in rows.COUNT_COLS:
             db.execute(f"ALTER TABLE batches ADD COLUMN {c} INTEGER NOT NULL DEFAULT 0")
         db.execute(rows.BACKFILL_COUNTS)
+        db.execute(rows.DROP_ENDED_LINES)
 
 
 class SqliteBatchTables(SqliteBatchClaims):

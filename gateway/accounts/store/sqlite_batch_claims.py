@@ -244,15 +244,9 @@ class SqliteBatchClaims(BatchTables):
             ).rowcount
             if n != 1:
                 return False
-            # Requests that never ran now say why, so counts and files agree after the end.
-            db.execute(
-                "UPDATE batch_requests SET state=?, claimed_by=NULL, lease_until=NULL "
-                "WHERE batch_id=? AND state IN ('pending','running','cancelled')",
-                (rows.leftover_state(status), batch_id),
-            )
-            # The bodies were copies of the input file, kept to run them: gone with the batch
-            # (the results are in its files now).
-            db.execute("UPDATE batch_requests SET body='' WHERE batch_id=?", (batch_id,))
+            # The lines go with the batch: their bodies were copies of the input file, their
+            # results are in its files now, and its counts are its row's.
+            db.execute("DELETE FROM batch_requests WHERE batch_id=?", (batch_id,))
             db.execute("UPDATE batches SET body_bytes=0 WHERE id=?", (batch_id,))
             for f in files:
                 insert_file_row(db, f)
