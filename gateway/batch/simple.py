@@ -22,6 +22,7 @@ from gateway.accounts.store.batch_tables import BatchTables, TeamLimit
 from gateway.batch.callback import CallbackURLError, check_callback_url_now
 from gateway.batch.config import BatchConfig
 from gateway.batch.contracts import Authenticate
+from gateway.batch.estimate import Estimator
 from gateway.batch.files import (
     MAX_REPORTED_ERRORS,
     FileStore,
@@ -92,14 +93,6 @@ def to_jsonl(requests: list[Any]) -> tuple[list[bytes], list[BatchError]]:
     return lines, errors
 
 
-async def estimate_completion(store: BatchTables, config: BatchConfig, n: int, now: float) -> float:
-    """When a new batch of `n` requests should be done: the work queued ahead plus its own, at
-    the recent per-request time, spread over the runner's concurrency (a guess, not a promise)."""
-    mean = await store.mean_request_seconds(now - 3600) or config.default_request_s
-    queued = await store.pending_requests()
-    return now + (queued + n) * mean / max(config.concurrency, 1)
-
-
 def add_simple_routes(
     router: web.UrlDispatcher,
     *,
@@ -110,6 +103,7 @@ def add_simple_routes(
     slots: UploadSlots,
 ) -> None:
     files = FileStore(config.files_dir)
+    estimator = Estimator(store, config)
 
     async def create(request: web.Request) -> web.Response:
         team = await team_of(request, authenticate)
@@ -200,7 +194,7 @@ def add_simple_routes(
                 files.delete(fid)
             raise
         wake()
-        est = min(await estimate_completion(store, config, len(parsed), now), now + window)
+        est = min(await estimator.completion(len(parsed), now), now + window)
         return json_response(
             SimpleBatchCreated(batch_id=row.id, status=row.status, estimated_completion=int(est)),
             status=202,
@@ -214,7 +208,7 @@ def add_simple_routes(
         row = await store.get_batch(team, bid)
         if row is None:
             raise APIError(404, f"No such Batch: {bid!r}", param="id", code="not_found")
-        return json_response(await simple_status(store, config, row, files, (after, limit)))
+        return json_response(await simple_status(store, estimator, row, files, (after, limit)))
 
     router.add_route("POST", "/v1/batch", api_handler(create))
     router.add_route("GET", "/v1/batch/{batch_id}", api_handler(status))
@@ -222,7 +216,7 @@ def add_simple_routes(
 
 async def simple_status(
     store: BatchTables,
-    config: BatchConfig,
+    estimator: Estimator,
     row: BatchRow,
     files: FileStore,
     page_at: tuple[Cursor, int],
@@ -240,7 +234,7 @@ async def simple_status(
     else:
         left = row.counts.total - row.counts.completed - row.counts.failed
         est = min(
-            await estimate_completion(store, config, 0, time.time()) if left else time.time(),
+            await estimator.completion(0, time.time()) if left else time.time(),
             row.expires_at,
         )
     obj = batch_object(row)

@@ -103,3 +103,19 @@ async def test_an_ended_batch_leaves_no_lines(store_and_sql: tuple[Any, Raw]) ->
         assert (await s.get_batch("t", "batch_1")).counts == COUNTS
     finally:
         s.close()
+
+
+async def test_queued_lines_are_counted_from_the_batches(store_and_sql: tuple[Any, Raw]) -> None:
+    open_store, sql = store_and_sql
+    s = open_store()
+    try:
+        await _ran(s)  # all 3 lines have an outcome
+        reqs = [NewRequest(line=i + 1, custom_id=f"d{i}", body="{}") for i in range(4)]
+        await s.create_batch(batch("batch_2", 0.0), reqs)
+        [c] = await s.claim_requests("A", 1, lease_s=10, now=3.0)
+        kw = {"status_code": 200, "request_id": "r", "response": {}, "error": None, "now": 4.0}
+        assert await s.finish_request("A", "batch_2", c.custom_id, ok=True, **kw)
+        await sql("DELETE FROM batch_requests")  # read no line
+        assert await s.pending_requests() == 3
+    finally:
+        s.close()

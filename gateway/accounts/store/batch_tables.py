@@ -168,9 +168,12 @@ class BatchTables(ABC):
     @abstractmethod
     async def mean_request_seconds(self, since: float) -> float | None: ...
     @abstractmethod
-    async def pending_requests(self) -> int: ...
+    async def pending_requests(self) -> int:
+        """The lines of running batches without an outcome yet, from the batches' own counts
+        (no line is read)."""
+
     @abstractmethod
     async def team_holdings(self, team_id: str) -> tuple[int, int]:
-        """(bytes of the team's stored files and of the request bodies its batches hold, its
-        batches not yet ended): its per-team limits."""
+        """(bytes of the team's stored files and of the request bodies and results its batches
+        hold, its batches not yet ended): its per-team limits."""
         ...

@@ -291,8 +291,8 @@ class PostgresBatchClaims(BatchTables):
     async def pending_requests(self) -> int:
         return int(
             await (await self._p()).fetchval(
-                "SELECT COUNT(*) FROM batch_requests r JOIN batches b ON b.id=r.batch_id "
-                "WHERE b.status='in_progress' AND r.state IN ('pending','running')"
+                "SELECT COALESCE(SUM(total - n_succeeded - n_failed), 0) FROM batches "
+                "WHERE status='in_progress'"
             )
         )
 

@@ -305,8 +305,8 @@ class SqliteBatchClaims(BatchTables):
     async def pending_requests(self) -> int:
         def q(db: sqlite3.Connection) -> int:
             return db.execute(
-                "SELECT COUNT(*) FROM batch_requests r JOIN batches b ON b.id=r.batch_id "
-                "WHERE b.status='in_progress' AND r.state IN ('pending','running')"
+                "SELECT COALESCE(SUM(total - n_succeeded - n_failed), 0) FROM batches "
+                "WHERE status='in_progress'"
             ).fetchone()[0]
 
         return await self._batch.read(q)
