@@ -310,6 +310,9 @@ class BatchLimits:
     #: per team; one more is refused with 429
     max_uploads: int = 8
     max_team_uploads: int = 2
+    #: batch API calls (files, batches, the simple form) per team per minute on one gateway;
+    #: one more is refused with 429 and Retry-After (0: no bound)
+    max_api_calls_per_minute: int = 6000
     #: HMAC secret for callbacks (or $DUET_BATCH_CALLBACK_SECRET); per-team overrides below; no
     #: secret: no callbacks
     callback_secret: str | None = None

@@ -22,6 +22,7 @@ from aiohttp import BodyPartReader, web
 
 from gateway.accounts.store.batch_tables import BatchTables, Conflict, TeamLimit
 from gateway.accounts.store.private_files import open_private
+from gateway.batch.api_rate import rate_limited
 from gateway.batch.config import BatchConfig
 from gateway.batch.contracts import Authenticate
 from gateway.batch.files import FileStore, InvalidFile, bounded_lines, new_file_id, validate_file
@@ -343,6 +344,7 @@ def make_batch_routes(
     """Add the batch tier's routes. `wake` (e.g. `BatchRunner.wake`) makes a runner in the same
     process look at a new or cancelled batch at once instead of at its next poll."""
     router = app_or_router.router if isinstance(app_or_router, web.Application) else app_or_router
+    authenticate = rate_limited(authenticate, config.max_api_calls_per_minute)
     r = _Routes(store, authenticate, config, wake or (lambda: None))
     for method, path, fn in (
         ("POST", "/v1/files", r.upload),

@@ -30,9 +30,14 @@ MAX_METADATA_PAIRS = 16
 PRIORITY_NAMES = {v: k for k, v in PRIORITIES.items()}
 
 
-def json_response(obj: Any, status: int = 200) -> web.Response:
+def json_response(
+    obj: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
     return web.Response(
-        body=msgspec.json.encode(obj), status=status, content_type="application/json"
+        body=msgspec.json.encode(obj),
+        status=status,
+        content_type="application/json",
+        headers=headers,
     )
 
 
@@ -43,7 +48,7 @@ def api_handler(fn: Handler) -> Handler:
         try:
             return await fn(request)
         except APIError as e:
-            return json_response(e.body(), e.status)
+            return json_response(e.body(), e.status, e.response_headers())
         except web.HTTPRequestEntityTooLarge as e:  # the app's client_max_size, in OpenAI's words
             err = APIError(413, f"request body too large: {e.text}", code="request_too_large")
             return json_response(err.body(), err.status)
