@@ -408,7 +408,11 @@ async def run_batch(
     results = None
     while res.batch_id is not None and time.monotonic() < deadline:
         try:
-            async with session.get(f"{url}/v1/batch/{res.batch_id}", headers=headers) as r:
+            # one page holds every line up to 1000 (docs/batch.md: limit, after)
+            page = {"limit": str(min(max(lines, 1), 1000))}
+            async with session.get(
+                f"{url}/v1/batch/{res.batch_id}", params=page, headers=headers
+            ) as r:
                 body = await r.json(content_type=None)
             if r.status == 200:
                 res.status = body["status"]
