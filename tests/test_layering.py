@@ -146,6 +146,7 @@ COMPONENT_BENCHMARKS = {
     "bench/route.py": {"coordinator"},
     "bench/rollout_plane.py": {"coordinator"},  # its etcd (coordinator/etcd_server.py)
     "bench/router.py": {"gateway"},
+    "bench/batch_listing.py": {"gateway"},  # the batch store's listing
     "bench/profile.py": {"engine", "sim"},
     "bench/engine_tiers.py": {"engine"},
     "bench/spec_engine.py": {"engine"},
