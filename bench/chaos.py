@@ -56,9 +56,10 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from bench.chaos_batch import BatchResult, run_batch
 from bench.chaos_faults import CLASSES, NETWORK, DiskTrap, FaultSpec, Injector
 from bench.chaos_kill import KINDS, Killer
-from bench.chaos_load import PROMPTS, BatchResult, Record, one_request, references, run_batch
+from bench.chaos_load import PROMPTS, Record, one_request, references
 from bench.chaos_report import render, render_faults, summarise
 from bench.chaos_usage import check, fetch_records
 from bench.plots import plot_chaos

@@ -16,9 +16,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from bench.chaos_batch import BatchResult
 from bench.chaos_faults import FaultEvent, timeline_rows
 from bench.chaos_kill import Kill
-from bench.chaos_load import BatchResult, Outcome, Record
+from bench.chaos_load import Outcome, Record
 from bench.chaos_usage import UsageCheck
 
 

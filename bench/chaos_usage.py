@@ -30,7 +30,8 @@ from typing import Any
 
 import msgspec
 
-from bench.chaos_load import BatchResult, Outcome, Record
+from bench.chaos_batch import BatchResult
+from bench.chaos_load import Outcome, Record
 
 #: the prefix of every chaos request's `user` tag (the references have none)
 TAG = "chaos-"

@@ -17,7 +17,8 @@ from contextlib import asynccontextmanager
 import aiohttp
 from aiohttp import web
 
-from bench.chaos_load import BatchResult, Outcome, Record, one_request
+from bench.chaos_batch import BatchResult
+from bench.chaos_load import Outcome, Record, one_request
 from bench.chaos_usage import check
 from runtime.ports import free_port
 
