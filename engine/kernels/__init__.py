@@ -276,6 +276,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "linear_bf16_pack": ([_P, _I64, _I32, _P], _I32),
     "linear_bf16": ([_P, _I64, _I32, _I32, _P, _I64, _P, _P, _I64, _I32, _I32], _I32),
     "linear_bf16_xf32": ([_P, _I64, _I32, _I32, _P, _I64, _P, _P, _I64], _I32),
+    "linear_bf16_avx2_panel": ([_I32], _I32),
     "linear_f32": ([_P, _I64, _I32, _I32, _P, _I64, _P, _P, _I64], _I32),
     "decode_layers": ([_P, _P, _I32, _P, _P, _I32, _I32, _I32, _I32, _F32], _I32),
 }

@@ -58,6 +58,25 @@ int32_t linear_bf16_pack(const uint16_t *w, int64_t n, int32_t k, uint32_t *out)
 #endif
 }
 
+/* Activation rows from which linear_bf16's AVX2 path takes the fp32 panel GEMM (qgemm_f32.h)
+ * rather than lb_avx2_few; the two give the same bits, so this is speed alone. The panel GEMM
+ * writes each half as an fp32 panel (twice the bf16 words' bytes) and reads it back per 6 rows,
+ * where lb_avx2_few widens the words in registers per 5 rows: SmolLM2's bf16 linears, one Zen 3
+ * thread, the two alternated in one process (CPU time, load 5-6): the panel takes 1.11-1.37x the
+ * time at 16-48 rows, 1.07x at 64, 1.00x at 96-128, 0.96x at 256, 0.94x at 512. */
+#define LB_PANEL_MIN_ROWS 96
+
+/* 1 where m activation rows take the panel GEMM on this build's AVX2 path, 0 where they take
+ * lb_avx2_few, -3 where the build has no AVX2 path (AVX-512 BF16 runs qb_gemm for every m). */
+int32_t linear_bf16_avx2_panel(int32_t m) {
+#if defined(DUET_AVX2)
+    return m >= LB_PANEL_MIN_ROWS;
+#else
+    (void)m;
+    return -3;
+#endif
+}
+
 #if defined(DUET_AVX2)
 /* Rows n0 .. n0 + 16 (a half of a packed block) as qgemm_f32.h's fp32 panel: pair p's word
  * widens to input 2p + 1 (its high half: row 2p) and 2p (its low half, shifted up: row 2p + 1). */
@@ -100,7 +119,7 @@ static inline __attribute__((always_inline)) void lb_pair_rows(const float *X, i
     }
 }
 
-/* linear_bf16 below QF_MIN_ROWS rows on AVX2: lb_pair_rows over every half, 5 rows at a time. */
+/* linear_bf16 below LB_PANEL_MIN_ROWS rows on AVX2: lb_pair_rows over every half, 5 rows at a time. */
 static int32_t lb_avx2_few(const void *x, int64_t xs, int xbf16, int m, int k, const uint32_t *panels, int64_t n,
                            const void *bias, void *out, int64_t os, int obf16) {
     const int64_t kp = qb_pad32(k), halves = (n + 15) / 16, hw = 8 * kp, esz = obf16 ? 2 : 4;
@@ -135,7 +154,7 @@ static int32_t lb_avx2_few(const void *x, int64_t xs, int xbf16, int m, int k, c
 /* out [m][os] = x @ W^T + bias on AVX2, x bf16 (xbf16) or fp32, bias in x's dtype, out bf16 or fp32. */
 static int32_t lb_avx2(const void *x, int64_t xs, int xbf16, int m, int k, const uint32_t *panels, int64_t n,
                        const void *bias, void *out, int64_t os, int obf16) {
-    if (m < QF_MIN_ROWS) return lb_avx2_few(x, xs, xbf16, m, k, panels, n, bias, out, os, obf16);
+    if (!linear_bf16_avx2_panel(m)) return lb_avx2_few(x, xs, xbf16, m, k, panels, n, bias, out, os, obf16);
     return qf_gemm(x, xs, xbf16, m, k, n, panels, panel_bf16, NULL, bias, out, os, obf16);
 }
 #endif

@@ -1,7 +1,8 @@
 /*
  * The GEMM path of the linears on AVX2 CPUs (no AVX-512, no bf16 dot products; DUET_AVX2): what
- * qgemm_bf16.h's vdpbf16ps path is on AVX-512 BF16 CPUs, for batches of QF_MIN_ROWS rows or more
- * (prefill, batched decode) and for every call of a bf16 weight (linear_bf16.c):
+ * qgemm_bf16.h's vdpbf16ps path is on AVX-512 BF16 CPUs, for the weight-only linears' batches of
+ * QF_MIN_ROWS rows or more (prefill, batched decode) and for bf16 weights' batches of
+ * linear_bf16.c's LB_PANEL_MIN_ROWS or more:
  * out[m, n] = sum_k x[m, k] * W[n, k] (* scale[n]) (+ bias[n]), fp32 products and sums, one
  * rounding at the store. x is bf16 or fp32 (copied once to fp32 rows), W is given per block of 16
  * rows by a panel function (int8 q exact, int4 fma(d, q, m) exact, bf16 widened: never rounded).

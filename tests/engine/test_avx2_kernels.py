@@ -163,11 +163,20 @@ def test_bf16_weights_widened_to_fp32(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(4)
     n, k = 40, 72  # k's tail past a 32-input chunk, n past a 32-row block
     w = torch.randn(n, k, generator=g).bfloat16()
-    x = torch.randn(20, k, generator=g).to(dtype)
-    full = _bf16_linear(lib, w, x)
+    x = torch.randn(100, k, generator=g).to(dtype)
+    full = _bf16_linear(lib, w, x)  # the panel GEMM (test_bf16_rows_pick_their_path)
     _close(full, x.double() @ w.double().T, k)
-    for m in (1, 4, 5, 6, 16):  # few-row kernel (1-15) and panel GEMM (16+): the same bits
+    for m in (1, 4, 5, 6, 16, 95, 96):  # the few-row kernel (1-95), the panels again: same bits
         assert torch.equal(_bf16_linear(lib, w, x[:m]), full[:m]), m
+
+
+def test_bf16_rows_pick_their_path() -> None:
+    """linear_bf16's AVX2 path: the few-row kernel below 96 rows, where it measured faster, the
+    panel GEMM from 96 (SmolLM2's linears on Zen 3: docs/benchmarks.md); an AVX-512 build has no
+    such choice."""
+    panel = isa.library(isa.AVX2).linear_bf16_avx2_panel
+    assert [panel(m) for m in (1, 15, 16, 95, 96, 512)] == [0, 0, 0, 0, 1, 1]
+    assert isa.library(isa.PORTABLE).linear_bf16_avx2_panel(96) == -3
 
 
 def _logits(lib, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
