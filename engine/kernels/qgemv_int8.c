@@ -173,7 +173,8 @@ static void gemv_int8_rows(const float *X, int m, int64_t k, const int8_t *q, in
 #if defined(DUET_AVX2)
 /* 2 .. QF_MIN_ROWS - 1 rows on AVX2 (a decode batch, a speculative verification): every block of 16
  * weight rows against the activation rows, each weight chunk converted in registers and shared by
- * 3 activation rows (qg_block_avx2): the GEMV's chains, so a row's output does not depend on m. */
+ * up to 6 activation rows (qg_block_avx2): the GEMV's chains, so a row's output does not depend on
+ * m. */
 static void gemv_int8_rows_avx2(const float *X, int m, int64_t k, const int8_t *q, int64_t n, const float *scale,
                                 const void *bias, void *out, int64_t os, int bf16) {
     const int64_t kp = qg_pad16(k), blocks = (n + QG_NB - 1) / QG_NB, esz = bf16 ? 2 : 4;
