@@ -22,8 +22,10 @@
  * prefill's four linears 0.98-1.01x together (Zen 4, 2 threads). On an AMX CPU the AMX path runs (the vdpbf16ps
  * one is 0.1-0.6x oneDNN's AMX there).
  *
- * Built only where the CPU has AVX-512 BF16 (qgemm_bf16_isa() says 0 elsewhere, and engine/linear.py
- * keeps oneDNN's prepacked weights, or F.linear).
+ * Built for AVX-512 BF16 (and AMX) as above, and for AVX2 + FMA, where the bf16 words are
+ * widened to fp32 in registers: a few-row kernel up to LB_PANEL_MIN_ROWS rows, the fp32 panel
+ * GEMM from there (measured on Zen 3: the panel loses below ~96 rows). Elsewhere
+ * qgemm_bf16_isa() says 0 and engine/linear.py keeps oneDNN's prepacked weights, or F.linear.
  */
 #include "qgemm_bf16.h"
 
