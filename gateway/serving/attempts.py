@@ -142,6 +142,8 @@ class Tries:
                 return await self._respond(served, attempt, headers, sink, done)
             finally:  # however it ended
                 done()
+                if self.relay is not None:  # `done` holds this Tries: no cycle left to collect
+                    self.relay.ended = None
 
     async def _respond(
         self,

@@ -176,6 +176,9 @@ class Admission:
             yield turn
         finally:
             release()
+            # the closure holds the turn: a cycle that only the collector would free, with
+            # all the request the turn's holder still reaches
+            turn._release = None
 
     def _shed(self, tier: str, claim: Claim, reason: str, message: str) -> Shed:
         self.metrics.shed.labels(tier=tier, reason=reason).inc()
