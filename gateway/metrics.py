@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TypeVar, cast
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_Metric = TypeVar("_Metric", Counter, Gauge, Histogram)
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -28,6 +32,8 @@ _LATENCY_BUCKETS = (
 
 class GatewayMetrics:
     def __init__(self) -> None:
+        #: label children by metric and label values (`child`)
+        self._children: dict[tuple[int, tuple[str, ...]], Counter | Gauge | Histogram] = {}
         r = self.registry = CollectorRegistry()
         self.spend = Counter("duet:spend_usd", "Spend in USD", ["team", "model"], registry=r)
         self.requests = Counter(
@@ -109,3 +115,14 @@ class GatewayMetrics:
         self.guide_compiling = Gauge(
             "duet:guide_compiles_running", "Grammar compiles running on their threads", registry=r
         )
+
+    def child(self, metric: _Metric, *values: str) -> _Metric:
+        """`metric.labels(*values)`, the child kept: prometheus_client's `labels` checks and
+        converts its values and takes a lock on every call, several times per request on the
+        request path. Children are never removed (nor are they by prometheus_client itself), so
+        a cached one is the registry's own."""
+        key = (id(metric), values)
+        got = self._children.get(key)
+        if got is None:
+            got = self._children[key] = metric.labels(*values)
+        return cast(_Metric, got)  # stored under its own metric's id: the same kind

@@ -360,15 +360,12 @@ class Ledger:
             r.latency_s,
             ",".join(r.nodes) or "-",
         )
-        m.requests.labels(
-            team=r.team_id, model=r.model_requested, tier=r.tier, status=r.status
-        ).inc()
+        # label values in each metric's label order (metrics.py)
+        m.child(m.requests, r.team_id, r.model_requested, r.tier, r.status).inc()
         # spend and tokens go to the model that served (a fallback is paid at its prices)
-        m.spend.labels(team=r.team_id, model=r.model_used).inc(r.cost_usd)
-        m.tokens.labels(team=r.team_id, model=r.model_used, kind="prompt").inc(r.prompt_tokens)
-        m.tokens.labels(team=r.team_id, model=r.model_used, kind="completion").inc(
-            r.completion_tokens
-        )
-        m.e2e.labels(model=r.model_requested).observe(r.latency_s)
+        m.child(m.spend, r.team_id, r.model_used).inc(r.cost_usd)
+        m.child(m.tokens, r.team_id, r.model_used, "prompt").inc(r.prompt_tokens)
+        m.child(m.tokens, r.team_id, r.model_used, "completion").inc(r.completion_tokens)
+        m.child(m.e2e, r.model_requested).observe(r.latency_s)
         if r.ttft_s is not None:
-            m.ttft.labels(model=r.model_requested).observe(r.ttft_s)
+            m.child(m.ttft, r.model_requested).observe(r.ttft_s)

@@ -145,7 +145,7 @@ class Admission:
         return len(self.queues[tier])
 
     def _gauge(self, tier: str) -> None:
-        self.metrics.queue_depth.labels(tier=tier).set(len(self.queues[tier]))
+        self.metrics.child(self.metrics.queue_depth, tier).set(len(self.queues[tier]))
 
     @contextlib.asynccontextmanager
     async def slot(
@@ -159,7 +159,8 @@ class Admission:
         start = time.monotonic()
         await self._acquire(tier, turn.claim, max_wait_s)
         turn.queued_s = time.monotonic() - start
-        self.metrics.queue_wait.labels(team=turn.claim.team, tier=tier).observe(turn.queued_s)
+        m = self.metrics
+        m.child(m.queue_wait, turn.claim.team, tier).observe(turn.queued_s)
         self.metrics.inflight.inc()
         held = True
 
