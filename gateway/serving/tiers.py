@@ -128,6 +128,8 @@ class Admission:
         }
         self._limits = {"interactive": cfg.interactive_queue, "batch": cfg.batch_queue}
         self._waits = {"interactive": cfg.interactive_max_wait_s, "batch": cfg.batch_max_wait_s}
+        for tier in self.queues:  # each tier's depth shows from the start, 0
+            self._gauge(tier)
 
     def check_team(self, team: Team, default_max_concurrent: int) -> None:
         """The team gate's cheap refusal (before any tokenizing), counted as the store's are
@@ -244,6 +246,8 @@ class Admission:
     def _release(self) -> None:
         for tier in ("interactive", "batch"):
             q = self.queues[tier]
+            if not q:  # nobody waits: the gauge already says 0 (no set per request)
+                continue
             while (w := q.pop()) is not None:
                 if not w.item.done():
                     w.item.set_result(None)  # the slot passes on: running stays the same
