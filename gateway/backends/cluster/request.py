@@ -151,7 +151,7 @@ class ClusterRequest:
         tried.append((d.url, rid))
         # the node computing the prompt pulls its prefix from the route's KV source
         source = route.kv_source if route.prefill is None else None
-        fields = replace(s.decode_fields(self.request, attempt, kv), kv_source=source)
+        fields = s.decode_fields(self.request, attempt, kv, source)
         body = leg_request(self.request, attempt, fields)
         stream = NodeStream(self.nodes.client, self.nodes.load, d.url, rid, s.index, body)
         attrs: Attrs = {

@@ -27,6 +27,7 @@ from protocol.kv_params import KVTransferParams
 from protocol.node_api import NodeCompletionChunk
 from protocol.openai import CompletionChoice
 from protocol.resume import Resume
+from protocol.route import KVSource
 from runtime.tracing import GEN_AI_OUTPUT_TOKENS, Tracing
 
 
@@ -58,10 +59,14 @@ class SampleStream:
     unsent_ids: list[int] = field(default_factory=list)
 
     def decode_fields(
-        self, request: Request, attempt: Attempt, kv: KVTransferParams | None
+        self,
+        request: Request,
+        attempt: Attempt,
+        kv: KVTransferParams | None,
+        kv_source: KVSource | None = None,
     ) -> LegFields:
-        """The decode leg's own fields: streamed, P's KV handle, and where a migrated output
-        resumes."""
+        """The decode leg's own fields: streamed, P's KV handle, where a migrated output
+        resumes, and the node it pulls the prompt's prefix from (`kv_source`)."""
         return LegFields(
             stream=True,
             max_tokens=attempt.max_tokens,
@@ -69,6 +74,7 @@ class SampleStream:
             logprobs=request.sampling.logprobs,
             kv_transfer_params=kv,
             resume=self.resume,
+            kv_source=kv_source,
         )
 
     def prefill_fields(self, request: Request, attempt: Attempt) -> LegFields:
