@@ -119,12 +119,18 @@ class Formatter:
 
     def chunk(self, p: Piece) -> bytes:
         first = p.index not in self._started
-        self._started.add(p.index)
+        if first:
+            self._started.add(p.index)
         if self.endpoint == "chat":
             return self._chat_chunk(p, first)
-        choice = self._completion_choice(
-            p.index, p.text, p.finish_reason, p.logprobs, p.token_ids, first
-        )
+        if self.token_ids:
+            choice = self._completion_choice(
+                p.index, p.text, p.finish_reason, p.logprobs, p.token_ids, first
+            )
+        else:  # the common case, once per token: no second call
+            choice = CompletionChoice(
+                index=p.index, text=p.text, finish_reason=p.finish_reason, logprobs=p.logprobs
+            )
         return sse(
             CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
         )
