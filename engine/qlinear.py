@@ -68,15 +68,17 @@ def bf16_gemm_reference(
     qw: QuantizedWeight,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    isa: int | None = None,
 ) -> torch.Tensor:
     """The bf16 GEMM path's arithmetic in torch: bf16 x times the weight as the panel holds it
     (int8: q, exact; int4: dequantized and rounded to bf16, or exact in AVX2's fp32 panels), fp32
     sums, the int8 scale and the bias in fp32, one rounding. Equal to the kernels up to the order
-    of the fp32 sums."""
+    of the fp32 sums. `isa` names the path whose panels are meant (by default the one this
+    process's kernels take): a build for another CPU keeps int4 weights as that CPU's path does."""
     xf = x.to(torch.bfloat16).float()
     if qw.scheme == "int8":
         out = (xf @ qw.q.float().T) * qw.scales
-    elif bf16_gemm_isa() == GEMM_AVX2:
+    elif (bf16_gemm_isa() if isa is None else isa) == GEMM_AVX2:
         out = xf @ dequantize(qw).T
     else:
         out = xf @ dequantize(qw).to(torch.bfloat16).float().T
