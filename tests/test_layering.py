@@ -147,6 +147,7 @@ COMPONENT_BENCHMARKS = {
     "bench/rollout_plane.py": {"coordinator"},  # its etcd (coordinator/etcd_server.py)
     "bench/router.py": {"gateway"},
     "bench/batch_listing.py": {"gateway"},  # the batch store's listing
+    "bench/batch_claims.py": {"gateway"},  # the batch store's claim
     "bench/profile.py": {"engine", "sim"},
     "bench/engine_tiers.py": {"engine"},
     "bench/spec_engine.py": {"engine"},

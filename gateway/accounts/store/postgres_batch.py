@@ -82,6 +82,14 @@ CREATE INDEX IF NOT EXISTS batch_requests_line ON batch_requests (batch_id, line
 FINISHED_INDEX = (
     "CREATE INDEX IF NOT EXISTS batch_requests_finished ON batch_requests (state, finished_at)"
 )
+#: the claim's per-batch reads (claim_order.py): a batch's lines by state in line order, and by
+#: start. Created on open when missing, like FINISHED_INDEX.
+CLAIM_INDEXES = {
+    "batch_requests_claim": "CREATE INDEX IF NOT EXISTS batch_requests_claim ON batch_requests "
+    "(batch_id, state, line)",
+    "batch_requests_started": "CREATE INDEX IF NOT EXISTS batch_requests_started ON "
+    "batch_requests (batch_id, started_at)",
+}
 _HAS_COLUMN = (
     "SELECT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_name='batches' "
     "AND column_name=$1 AND table_schema=current_schema())"
@@ -109,6 +117,9 @@ async def create_batch_tables(pool: asyncpg.Pool) -> None:
             await con.execute(rows.DROP_ENDED_LINES)
         if await con.fetchval("SELECT to_regclass('batch_requests_finished')") is None:
             await con.execute(FINISHED_INDEX)
+        for name, ddl in CLAIM_INDEXES.items():
+            if await con.fetchval("SELECT to_regclass($1)", name) is None:
+                await con.execute(ddl)
 
 
 class PostgresBatchTables(PostgresBatchClaims):

@@ -11,6 +11,7 @@ from typing import Any
 
 import asyncpg
 
+from gateway.accounts.store import claim_order
 from gateway.accounts.store.batch_tables import OPEN, BatchTables
 from gateway.batch import rows
 from gateway.batch.rows import (
@@ -52,45 +53,13 @@ class PostgresBatchClaims(BatchTables):
         self, worker: str, n: int, lease_s: float, now: float
     ) -> list[Claimed]:
         found = await (await self._p()).fetch(
-            # Round-robin over teams (`turn`: a line's rank in its team's own queue after the lines
-            # the team already has running), so one team's huge batch cannot starve another's;
-            # equal turns go to the team whose last line started longest ago (`served`, as the
-            # SQLite store: a runner claiming one line at a time alternates teams);
-            # FOR UPDATE cannot sit beside a window function, so the fair order picks candidates
-            # and the lock skips those another gateway holds.
-            "WITH k AS (SELECT b.team_id, COUNT(*) AS busy FROM batch_requests r JOIN batches b "
-            "ON b.id=r.batch_id "
-            "  WHERE r.state='running' AND r.lease_until>=$1 GROUP BY b.team_id), "
-            "l AS (SELECT b.team_id, MAX(r.started_at) AS served FROM batch_requests r "
-            "JOIN batches b ON b.id=r.batch_id "
-            "  WHERE b.status='in_progress' GROUP BY b.team_id), "
-            "q AS (SELECT r.batch_id, r.custom_id, b.priority, b.seq, r.line, COALESCE(k.busy, 0) "
-            "+ ROW_NUMBER() OVER ("
-            "  PARTITION BY b.team_id ORDER BY b.priority DESC, b.seq, r.line) AS turn, "
-            "COALESCE(l.served, -1) AS served "
-            "  FROM batch_requests r JOIN batches b ON b.id=r.batch_id LEFT JOIN k "
-            "ON k.team_id=b.team_id "
-            "  LEFT JOIN l ON l.team_id=b.team_id "
-            "  WHERE b.status='in_progress' AND b.expires_at>$1 AND ((r.state='pending' "
-            "AND r.not_before<=$1) "
-            "  OR (r.state='running' AND r.lease_until<$1))), "
-            "c AS (SELECT r.batch_id, r.custom_id FROM batch_requests r JOIN q "
-            "ON q.batch_id=r.batch_id "
-            "  AND q.custom_id=r.custom_id WHERE (r.state='pending' AND r.not_before<=$1) "
-            "  OR (r.state='running' AND r.lease_until<$1) "
-            "  ORDER BY q.priority DESC, q.turn, q.served, q.seq, q.line LIMIT $2 FOR "
-            "UPDATE OF r SKIP LOCKED) "
-            "UPDATE batch_requests r SET state='running', claimed_by=$3, lease_until=$4, "
-            "attempts=r.attempts+1, "
-            # a rerun keeps its key (rows.Claimed.request_id)
-            "started_at=$1, request_id=COALESCE(r.request_id, 'batch-' || "
-            "replace(gen_random_uuid()::text, '-', '')) FROM c, batches b "
-            "WHERE r.batch_id=c.batch_id AND r.custom_id=c.custom_id AND b.id=r.batch_id "
-            f"RETURNING {CLAIM_COLS}, b.priority, b.seq",
+            # the fair order (round-robin over teams) and its locks are claim_order.py's
+            f"{claim_order.POSTGRES_CLAIM} RETURNING {CLAIM_COLS}, b.priority, b.seq",
             now,
             n,
             worker,
             now + lease_s,
+            2 * n,
         )
         found = sorted(
             found, key=lambda r: (-r["priority"], r["seq"], r["line"])

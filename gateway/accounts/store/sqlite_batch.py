@@ -109,6 +109,13 @@ CREATE INDEX IF NOT EXISTS batch_requests_line ON batch_requests (batch_id, line
 FINISHED_INDEX = (
     "CREATE INDEX IF NOT EXISTS batch_requests_finished ON batch_requests (state, finished_at)"
 )
+#: a batch's lines by state in line order (its next claimable lines: a range, not a walk over
+#: its finished ones) and its lines by start (its latest start: one entry); the claim reads
+#: both per open batch (claim_order.py). Created on open when missing, like FINISHED_INDEX.
+CLAIM_INDEXES = (
+    "CREATE INDEX IF NOT EXISTS batch_requests_claim ON batch_requests (batch_id, state, line)",
+    "CREATE INDEX IF NOT EXISTS batch_requests_started ON batch_requests (batch_id, started_at)",
+)
 
 
 def init_batch_tables(db: sqlite3.Connection) -> None:
@@ -116,6 +123,8 @@ def init_batch_tables(db: sqlite3.Connection) -> None:
     the request counts came later)."""
     db.executescript(SCHEMA)
     db.execute(FINISHED_INDEX)
+    for index in CLAIM_INDEXES:
+        db.execute(index)
     if "expires_at" not in {r[1] for r in db.execute("PRAGMA table_info(batch_files)")}:
         db.execute("ALTER TABLE batch_files ADD COLUMN expires_at REAL")
     cols = {r[1] for r in db.execute("PRAGMA table_info(batches)")}

@@ -12,12 +12,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from gateway.accounts.store import claim_order
 from gateway.accounts.store.batch_tables import OPEN, BatchTables
 from gateway.accounts.store.sqlite_conn import Connections
 from gateway.batch import rows
 from gateway.batch.rows import (
     BATCH_COLS,
-    CLAIM_COLS,
     RESULT_COLS,
     BatchRow,
     Claimed,
@@ -55,34 +55,10 @@ class SqliteBatchClaims(BatchTables):
         self, worker: str, n: int, lease_s: float, now: float
     ) -> list[Claimed]:
         def q(db: sqlite3.Connection) -> list[Claimed]:
-            # Round-robin over teams (`turn`: a line's rank in its team's own queue after the
-            # lines the team already has running), so one team's 50,000-line batch cannot
-            # starve another team's batch queued after it, in one claim or over many. Equal turns
-            # go to the team whose last line started longest ago (`served`; never: first): with
-            # nothing running every team's next line has turn 1, and the oldest batch winning
-            # that tie served one team's whole batch to a runner claiming a line at a time.
-            found = db.execute(
-                f"SELECT {CLAIM_COLS} FROM (SELECT {CLAIM_COLS}, b.priority AS prio, b.seq AS "
-                "bseq, "
-                "  COALESCE(k.busy, 0) + ROW_NUMBER() OVER ("
-                "    PARTITION BY b.team_id ORDER BY b.priority DESC, b.seq, r.line) AS turn, "
-                "  COALESCE(l.served, -1) AS served "
-                "  FROM batch_requests r JOIN batches b ON b.id = r.batch_id LEFT JOIN ("
-                "    SELECT b2.team_id, COUNT(*) AS busy FROM batch_requests r2 JOIN batches b2 "
-                "ON b2.id = r2.batch_id "
-                "    WHERE r2.state='running' AND r2.lease_until>=? GROUP BY b2.team_id) k "
-                "ON k.team_id = b.team_id "
-                "  LEFT JOIN ("
-                "    SELECT b3.team_id, MAX(r3.started_at) AS served FROM batch_requests r3 "
-                "    JOIN batches b3 ON b3.id = r3.batch_id WHERE b3.status='in_progress' "
-                "GROUP BY b3.team_id"
-                "  ) l ON l.team_id = b.team_id "
-                "  WHERE b.status='in_progress' AND b.expires_at>? AND ("
-                "  (r.state='pending' AND r.not_before<=?) OR (r.state='running' "
-                "AND r.lease_until<?))) r JOIN batches b ON b.id = r.batch_id "
-                "ORDER BY r.prio DESC, r.turn, r.served, r.bseq, r.line LIMIT ?",
-                (now, now, now, now, n),
-            ).fetchall()
+            # the fair order (round-robin over teams) is claim_order.py's
+            found = [
+                db.execute(claim_order.LINE, key).fetchone() for key in claim_order.pick(db, n, now)
+            ]
             out = []
             for r in found:
                 rid = (
