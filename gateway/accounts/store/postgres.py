@@ -7,6 +7,11 @@ rate_buckets), updated in the same transactions as the bookings. Counters are re
 order in-flight → window → spend, so a settlement committing in between is counted twice
 (conservative), never missed. Settlement batches take row locks in team order, so two
 gateways' batches cannot deadlock.
+
+Three pools: the main one (bookings, settlements, teams, the batch tables), the heartbeat's one
+connection (a heartbeat waiting for a busy pool would make this gateway look dead), and the
+usage reports' read-only pool of REPORT_CONNECTIONS (a report over many rows waits for its own
+kind, never holds a connection that bookings need).
 """
 
 from __future__ import annotations
@@ -55,8 +60,13 @@ async def _clock(con: asyncpg.Connection, now: float | None) -> float:
     return float(await con.fetchval("SELECT extract(epoch FROM clock_timestamp())::float8"))
 
 
+#: the usage reports' own connections: a report over a large table waits for one of these, never
+#: for a slot of the pool that books and settles every team's requests
+REPORT_CONNECTIONS = 2
+
+
 class PostgresStore(PostgresTeams, PostgresBatchTables, Store):
-    """The one store on PostgreSQL: the accounts' tables and the batch tier's, on one pool."""
+    """The one store on PostgreSQL: the accounts' tables and the batch tier's (pools: above)."""
 
     def __init__(self, dsn: str, max_connections: int = 16) -> None:
         self.dsn = dsn
@@ -66,6 +76,10 @@ class PostgresStore(PostgresTeams, PostgresBatchTables, Store):
         #: the heartbeat's own connection (and its reclaim and expiry): a heartbeat that waited
         #: for a slot of a busy pool makes this gateway look dead to every other gateway
         self._beats: asyncpg.Pool | None = None
+        #: usage reports (`/v1/usage`, its records and outliers) on a small read-only pool of
+        #: their own: on the main pool, a few slow reports at once held every connection and
+        #: every reservation and settlement of every team waited behind them
+        self._reports: asyncpg.Pool | None = None
         #: the batch tables are created at their first use (a gateway without a batch tier
         #: never makes them)
         self._batch_ready = False
@@ -83,6 +97,11 @@ class PostgresStore(PostgresTeams, PostgresBatchTables, Store):
     def _beat_pool(self) -> asyncpg.Pool:
         assert self._beats is not None, "store not open"
         return self._beats
+
+    @property
+    def _report_pool(self) -> asyncpg.Pool:
+        assert self._reports is not None, "store not open"
+        return self._reports
 
     @property
     def pool(self) -> asyncpg.Pool:
@@ -108,8 +127,17 @@ class PostgresStore(PostgresTeams, PostgresBatchTables, Store):
                 await con.execute(TOMBSTONES)
             await add_columns(con)
         self._beats = await asyncpg.create_pool(self.dsn, min_size=1, max_size=1)
+        self._reports = await asyncpg.create_pool(
+            self.dsn,
+            min_size=0,
+            max_size=REPORT_CONNECTIONS,
+            server_settings={"default_transaction_read_only": "on"},
+        )
 
     async def close(self) -> None:
+        if self._reports is not None:
+            await self._reports.close()
+            self._reports = None
         if self._beats is not None:
             await self._beats.close()
             self._beats = None
@@ -234,7 +262,9 @@ class PostgresStore(PostgresTeams, PostgresBatchTables, Store):
             where += " AND team_id = $3"
             args.append(team_id)
         # NULLS FIRST: as SQLite orders them (PostgreSQL's default puts them last)
-        rows = await self.pool.fetch(totals_sql(keys, where, "LEAST", " NULLS FIRST"), *args)
+        rows = await self._report_pool.fetch(
+            totals_sql(keys, where, "LEAST", " NULLS FIRST"), *args
+        )
         return [totals_row([name for _, name in keys], r) for r in rows]
 
     async def usage_records(
@@ -260,7 +290,7 @@ class PostgresStore(PostgresTeams, PostgresBatchTables, Store):
         if limit is not None:
             args.append(limit)
             sql += f" LIMIT ${len(args)}"
-        rows = await self.pool.fetch(sql, *args)
+        rows = await self._report_pool.fetch(sql, *args)
         return [usage_record_of(r) for r in rows]
 
     async def usage_outliers(
@@ -272,5 +302,5 @@ class PostgresStore(PostgresTeams, PostgresBatchTables, Store):
             where += " AND team_id = $4"
             args.append(team_id)
         cols = ", ".join(f'usage."{c}"' for c in USAGE_COLS)
-        rows = await self.pool.fetch(outliers_sql(cols, where, "LEAST", "$3"), *args)
+        rows = await self._report_pool.fetch(outliers_sql(cols, where, "LEAST", "$3"), *args)
         return [usage_record_of(r) for r in rows]
