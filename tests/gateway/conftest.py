@@ -4,10 +4,14 @@ tests/conftest.py's `pd_nodes`; COMMON is their arguments."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import tempfile
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -60,8 +64,25 @@ def postgres_db(postgres: str) -> str:
     return postgres.replace("/postgres?", f"/{name}?")
 
 
+@dataclass(frozen=True)
+class OneSlot:
+    gateway: Proc
+    node: Proc
+
+    @contextmanager
+    def node_paused(self) -> Iterator[None]:
+        """The node SIGSTOPped for the block: a request the gateway admits meanwhile holds the one
+        slot until the block ends, however fast the node would have answered it (its kernel still
+        acknowledges, and the gateway waits read_timeout_s for a first token)."""
+        os.kill(self.node.proc.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self.node.proc.pid, signal.SIGCONT)
+
+
 @pytest.fixture
-def one_slot_gateway(tiny_llama: Path, tmp_path: Path) -> Iterator[Proc]:
+def one_slot(tiny_llama: Path, tmp_path: Path) -> Iterator[OneSlot]:
     """A real gateway with one slot (`max_inflight = 1`) in front of one real node (`both`),
     running; an interactive request may wait up to 300 s for the slot. Fresh for each test: the
     tests count its waits and refusals."""
@@ -84,4 +105,10 @@ def one_slot_gateway(tiny_llama: Path, tmp_path: Path) -> Iterator[Proc]:
         tiers={"max_inflight": 1, "interactive_max_wait_s": 300, "stream_read_ahead_bytes": 0},
     )
     with running(node, g):
-        yield g
+        yield OneSlot(g, node)
+
+
+@pytest.fixture
+def one_slot_gateway(one_slot: OneSlot) -> Proc:
+    """`one_slot`'s gateway."""
+    return one_slot.gateway

@@ -14,8 +14,8 @@ from gateway.config import ConfigError, TierConfig, parse_config
 from gateway.metrics import GatewayMetrics
 from gateway.serving.fair_queue import Claim
 from gateway.serving.tiers import Admission, Shed
+from tests.gateway.conftest import OneSlot
 from tests.gateway.helpers import MODEL, http, make_team, scrape
-from tests.procs import Proc
 from tests.wait import until
 
 A, B = Claim(team="a", tokens=10), Claim(team="b", tokens=10)
@@ -122,19 +122,16 @@ def test_team_weight_is_checked() -> None:
         parse_config({**base, "tiers": {"fair_output_weight": -1}})
 
 
-async def test_a_flood_does_not_delay_another_team_beyond_its_turn(
-    one_slot_gateway: Proc,
-) -> None:
+async def test_a_flood_does_not_delay_another_team_beyond_its_turn(one_slot: OneSlot) -> None:
     """Through a real gateway (one slot) and a real node: team a holds the slot with a long
     stream and queues three long requests; team b's one request, sent last, is served next —
-    it has finished before any of a's queued ones has."""
-    g = one_slot_gateway
+    it has finished before any of a's queued ones has. The node is paused while the queue forms,
+    so the holder keeps the slot however fast the node would have finished it."""
+    g = one_slot.gateway
     auth = {t: {"Authorization": f"Bearer {make_team(g.url, t)}"} for t in ("a", "b")}
     long = {"model": MODEL, "prompt": "hold", "max_tokens": 400, "ignore_eos": True}
     url = g.url + "/v1/completions"
     async with aiohttp.ClientSession() as s:
-        holder = await s.post(url, json={**long, "stream": True}, headers=auth["a"])
-        assert holder.status == 200 and holder.headers["x-duet-queue-ms"] == "0"
 
         async def ask(team: str, body: dict[str, object]) -> tuple[int, str]:
             async with s.post(url, json=body, headers=auth[team]) as r:
@@ -142,11 +139,18 @@ async def test_a_flood_does_not_delay_another_team_beyond_its_turn(
                 return r.status, r.headers.get("x-duet-queue-ms", "")
 
         queued = []
-        for i in range(3):
-            queued.append(asyncio.ensure_future(ask("a", {**long, "max_tokens": 200})))
-            await until(lambda i=i: _waiting(g.url) == i + 1, timeout=60)
-        b = asyncio.ensure_future(ask("b", {"model": MODEL, "prompt": "b", "max_tokens": 4}))
-        await until(lambda: _waiting(g.url) == 4, timeout=60)
+        with one_slot.node_paused():
+            holding = asyncio.ensure_future(
+                s.post(url, json={**long, "stream": True}, headers=auth["a"])
+            )
+            await until(lambda: _running(g.url) == 1, timeout=60)
+            for i in range(3):
+                queued.append(asyncio.ensure_future(ask("a", {**long, "max_tokens": 200})))
+                await until(lambda i=i: _waiting(g.url) == i + 1, timeout=60)
+            b = asyncio.ensure_future(ask("b", {"model": MODEL, "prompt": "b", "max_tokens": 4}))
+            await until(lambda: _waiting(g.url) == 4, timeout=60)
+        holder = await asyncio.wait_for(holding, 120)
+        assert holder.status == 200 and holder.headers["x-duet-queue-ms"] == "0"
         async for _ in holder.content:
             pass
         holder.close()
@@ -167,3 +171,7 @@ async def test_a_flood_does_not_delay_another_team_beyond_its_turn(
 
 def _waiting(url: str) -> int:
     return int(http(url + "/health")[2]["waiting"]["interactive"])
+
+
+def _running(url: str) -> int:
+    return int(http(url + "/health")[2]["running"])

@@ -18,6 +18,7 @@ import pytest
 
 from gateway.accounts.store import open_store
 from gateway.accounts.store.base import Team
+from tests.gateway.conftest import OneSlot
 from tests.gateway.helpers import MODEL, http, make_team
 from tests.procs import Proc
 from tests.wait import until
@@ -111,16 +112,16 @@ def test_the_admin_api_sets_checks_and_shows_the_weight(one_slot_gateway: Proc) 
     assert status == 200 and body["weight"] is None and body["rpm"] == 5, body
 
 
-async def test_a_patched_weight_orders_the_busy_tier_without_a_restart(
-    one_slot_gateway: Proc,
-) -> None:
+async def test_a_patched_weight_orders_the_busy_tier_without_a_restart(one_slot: OneSlot) -> None:
     """Team a holds the one slot and queues one long request; team b queues two short ones.
     b's first goes at the first freed slot (b joined level with a, and a's holder was charged
     its 400 output tokens). Then the weights decide: at weight 1 b's first short request cost
     far less than a's holder, so b's second goes next (seen so before the weight was stored);
     with b's weight PATCHed to 0.001 after its keys were in use, the same short request cost b
-    a thousand times more, and a's queued request goes before b's second."""
-    g = one_slot_gateway.url
+    a thousand times more, and a's queued request goes before b's second. The node is paused
+    while the queue forms, so the holder keeps the slot however fast the node would have
+    finished it."""
+    g = one_slot.gateway.url
     auth = {t: {"Authorization": f"Bearer {make_team(g, t)}"} for t in ("a", "b")}
     url = g + "/v1/completions"
     short = {"model": MODEL, "prompt": "b", "max_tokens": 4, "ignore_eos": True}
@@ -130,8 +131,6 @@ async def test_a_patched_weight_orders_the_busy_tier_without_a_restart(
         status, _, body = http(f"{g}/admin/teams/b", "PATCH", {"weight": 0.001})
         assert status == 200 and body["weight"] == 0.001, body
         long = {"model": MODEL, "prompt": "hold", "max_tokens": 400, "ignore_eos": True}
-        holder = await s.post(url, json={**long, "stream": True}, headers=auth["a"])
-        assert holder.status == 200 and holder.headers["x-duet-queue-ms"] == "0"
         order: list[str] = []
 
         async def ask(name: str, team: str, body: dict[str, object]) -> None:
@@ -141,11 +140,18 @@ async def test_a_patched_weight_orders_the_busy_tier_without_a_restart(
                 order.append(name)
 
         tasks = []
-        for i, (name, team, body) in enumerate(
-            [("a1", "a", {**long, "max_tokens": 8}), ("b1", "b", short), ("b2", "b", short)]
-        ):
-            tasks.append(asyncio.ensure_future(ask(name, team, body)))
-            await until(lambda i=i: _waiting(g) == i + 1, timeout=60)
+        with one_slot.node_paused():
+            holding = asyncio.ensure_future(
+                s.post(url, json={**long, "stream": True}, headers=auth["a"])
+            )
+            await until(lambda: _running(g) == 1, timeout=60)
+            for i, (name, team, body) in enumerate(
+                [("a1", "a", {**long, "max_tokens": 8}), ("b1", "b", short), ("b2", "b", short)]
+            ):
+                tasks.append(asyncio.ensure_future(ask(name, team, body)))
+                await until(lambda i=i: _waiting(g) == i + 1, timeout=60)
+        holder = await asyncio.wait_for(holding, 120)
+        assert holder.status == 200 and holder.headers["x-duet-queue-ms"] == "0"
         async for _ in holder.content:
             pass
         holder.close()
@@ -155,3 +161,7 @@ async def test_a_patched_weight_orders_the_busy_tier_without_a_restart(
 
 def _waiting(url: str) -> int:
     return int(http(url + "/health")[2]["waiting"]["interactive"])
+
+
+def _running(url: str) -> int:
+    return int(http(url + "/health")[2]["running"])

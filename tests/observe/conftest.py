@@ -46,6 +46,11 @@ def traced(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
             "OTEL_BSP_SCHEDULE_DELAY": "100",
             "DUET_CLUSTER_SECRET": secret,
+            # one host: UCX keeps its shared-memory and cma transports, and no network device
+            # but loopback goes into a worker's address. Otherwise a bridge another test makes
+            # for a while (runtime/netns.py) is advertised too, and once it is gone the decode
+            # node's connection to it is refused and the KV is recomputed, not pulled
+            "UCX_NET_DEVICES": "lo",
         }
         port = free_port()
         (tmp / "planner.toml").write_text("interval_s = 1\n[bounds]\nprefill = [2, 3]\n")
