@@ -117,6 +117,13 @@ FILE_COLS = "id, team_id, purpose, filename, bytes, created_at, expires_at"
 #: table without them gains them: counted once, from its lines, then the lines of the batches
 #: that had ended dropped (as `finish_batch` now does; their results are in their files)
 COUNT_COLS = ("n_succeeded", "n_failed")
+
+
+def count_col(ok: bool) -> str:
+    """The batch row's count a finished line adds to, by its outcome."""
+    return COUNT_COLS[0] if ok else COUNT_COLS[1]
+
+
 BACKFILL_COUNTS = (
     "UPDATE batches SET "
     "n_succeeded=(SELECT COUNT(*) FROM batch_requests r WHERE r.batch_id=batches.id "

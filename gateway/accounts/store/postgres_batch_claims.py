@@ -111,7 +111,7 @@ class PostgresBatchClaims(BatchTables):
                 return False
             # the result is held here until the batch ends: it counts in the team's storage
             # ... and the batch's counts are kept here, not counted per listed batch
-            col = "n_succeeded" if ok else "n_failed"
+            col = rows.count_col(ok)
             await con.execute(
                 f"UPDATE batches SET body_bytes=body_bytes+$1, {col}={col}+1 WHERE id=$2",
                 rows.text_bytes(resp, err),

@@ -25,8 +25,6 @@ from gateway.batch.rows import (
     ResultRow,
 )
 
-#: the batches' column counting a finished line, by its outcome (ok)
-_COUNT = {True: "n_succeeded", False: "n_failed"}
 #: a file not expired (OpenAI's `expires_after`), as of the query's `now` parameter
 LIVE = "(expires_at IS NULL OR expires_at > ?)"
 
@@ -125,9 +123,9 @@ class SqliteBatchClaims(BatchTables):
                 return False
             # the result is held here until the batch ends: it counts in the team's storage
             # ... and the batch's counts are kept here, not counted per listed batch
+            col = rows.count_col(ok)
             db.execute(
-                f"UPDATE batches SET body_bytes=body_bytes+?, {_COUNT[ok]}={_COUNT[ok]}+1 "
-                "WHERE id=?",
+                f"UPDATE batches SET body_bytes=body_bytes+?, {col}={col}+1 WHERE id=?",
                 (rows.text_bytes(resp, err), batch_id),
             )
             return True
