@@ -3,9 +3,10 @@ candidates per claim, each batch's a range of an index, where it ranked every cl
 every open batch. Its answer must not change: on a randomized store (several teams, batches of
 several priorities, lines pending, pending not yet due, running under a live or a lapsed lease,
 finished, some batches past their window or no longer in progress) every claim takes exactly
-the lines the earlier query picks, kept here as the oracle, through many claims of various
-sizes as the clock moves and lines finish. Both stores: a SQLite file and a real PostgreSQL
-server (pgserver). And on SQLite, every query the claim makes reads through an index."""
+the lines the earlier query picks (bench.batch_claims.OLD_PICK, the bench's baseline, is the
+oracle), through many claims of various sizes as the clock moves and lines finish. Both stores:
+a SQLite file and a real PostgreSQL server (pgserver). And on SQLite, every query the claim
+makes reads through an index."""
 
 from __future__ import annotations
 
@@ -19,33 +20,12 @@ from typing import Any
 import asyncpg
 import pytest
 
+from bench.batch_claims import OLD_PICK
 from gateway.accounts.store import claim_order
 from gateway.accounts.store.sqlite_batch import SqliteBatchStore
 from gateway.batch.rows import NewRequest
 from tests.batch.test_store import batch
 
-#: the claim's selection before: a window over every claimable line, params (now x4, n)
-ORACLE = (
-    "SELECT r.batch_id, r.custom_id FROM (SELECT r.batch_id, r.custom_id, r.line, "
-    "b.priority AS prio, b.seq AS bseq, "
-    "  COALESCE(k.busy, 0) + ROW_NUMBER() OVER ("
-    "    PARTITION BY b.team_id ORDER BY b.priority DESC, b.seq, r.line) AS turn, "
-    "  COALESCE(l.served, -1) AS served "
-    "  FROM batch_requests r JOIN batches b ON b.id = r.batch_id LEFT JOIN ("
-    "    SELECT b2.team_id, COUNT(*) AS busy FROM batch_requests r2 JOIN batches b2 "
-    "ON b2.id = r2.batch_id "
-    "    WHERE r2.state='running' AND r2.lease_until>=? GROUP BY b2.team_id) k "
-    "ON k.team_id = b.team_id "
-    "  LEFT JOIN ("
-    "    SELECT b3.team_id, MAX(r3.started_at) AS served FROM batch_requests r3 "
-    "    JOIN batches b3 ON b3.id = r3.batch_id WHERE b3.status='in_progress' "
-    "GROUP BY b3.team_id"
-    "  ) l ON l.team_id = b.team_id "
-    "  WHERE b.status='in_progress' AND b.expires_at>? AND ("
-    "  (r.state='pending' AND r.not_before<=?) OR (r.state='running' "
-    "AND r.lease_until<?))) r "
-    "ORDER BY r.prio DESC, r.turn, r.served, r.bseq, r.line LIMIT ?"
-)
 #: a line's state, as the randomized store sets it: (state, not_before, lease, started, finished)
 #: relative to the clock at setup
 SHAPES = [
@@ -141,12 +121,12 @@ async def _compare(store: Any, db: Db, seed: int, rounds: int) -> int:
     await _populate(store, db, rng, now)
     for i in range(rounds):
         n = rng.choice([1, 1, 2, 3, 5, 8, 20])
-        expected = await db.run(ORACLE, now, now, now, now, n)
+        expected = [tuple(r[:2]) for r in await db.run(OLD_PICK, now, now, now, now, n)]
         got = await store.claim_requests(f"W{i % 3}", n, lease_s=rng.choice([5.0, 15.0]), now=now)
         claimed = [(c.batch_id, c.custom_id) for c in got]
         if db.pg is not None:  # PostgreSQL hands its claim back in the runner's order
-            claimed = sorted(claimed, key=[tuple(e) for e in expected].index)
-        assert claimed == [tuple(e) for e in expected], (seed, i, n)
+            claimed = sorted(claimed, key=expected.index)
+        assert claimed == expected, (seed, i, n)
         taken += len(claimed)
         now += rng.choice([0.0, 0.0, 1.0, 4.0, 11.0])
         await _churn(store, db, rng, now)
