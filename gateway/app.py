@@ -13,7 +13,7 @@ writer, the store heartbeat, the model backends), then the batch runner (batch/w
 from __future__ import annotations
 
 import logging
-import uuid
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
@@ -50,8 +50,9 @@ _ENC = msgspec.json.Encoder()
 @web.middleware
 async def _request_id(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every request gets the gateway's own id (never the client's: it names engine requests on
-    shared nodes)."""
-    request[_RID] = f"req-{uuid.uuid4().hex}"
+    shared nodes). 128 random bits as uuid4's hex spells them, without building a UUID object
+    (a few microseconds on every request)."""
+    request[_RID] = f"req-{secrets.token_hex(16)}"
     return await handler(request)
 
 

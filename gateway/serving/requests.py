@@ -169,8 +169,12 @@ class Request:
         return self.guide if closed_objects or self.open_guide is None else self.open_guide
 
 
-def sampling_of(body: Any, max_tokens: int | None, logprobs: int | None) -> tuple[Sampling, int]:
-    n = 1 if body.n is None else body.n
+def sampling_of(
+    body: Any, max_tokens: int | None, logprobs: int | None, n: int | None = None
+) -> tuple[Sampling, int]:
+    """The request's sampling and its `n` (`n`: as the client sent it, else the body's)."""
+    if n is None:
+        n = 1 if body.n is None else body.n
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     try:  # the ranges and words every process refuses with (protocol/limits.py)
         limits.check_max_tokens(max_tokens)
@@ -238,7 +242,11 @@ def parse_completion(raw: bytes) -> Request:
         body.stream_options = None
     if body.logprobs is not None:
         check_top("logprobs", body.logprobs)
-    sampling, n = sampling_of(_Shim(body, n=data.get("n")), max_tokens, body.logprobs)
+    # CompletionRequest defaults n to 1: read what the client sent
+    n = data.get("n")
+    if n is not None and not _is_token(n):
+        raise APIError(400, "n must be an integer", param="n")
+    sampling, n = sampling_of(body, max_tokens, body.logprobs, n=n)
     rf = (
         raw_body.convert({"response_format": data["response_format"]}, _Format).response_format
         if data.get("response_format") is not None
@@ -272,19 +280,6 @@ class _Format(msgspec.Struct):
     """response_format on the completions form (vLLM's extension; OpenAI's chat field)."""
 
     response_format: ResponseFormat
-
-
-class _Shim:
-    """CompletionRequest with `n` as the client sent it (its struct defaults n to 1)."""
-
-    def __init__(self, body: CompletionRequest, n: Any) -> None:
-        self._body = body
-        self.n = n if n is not None else 1
-        if not _is_token(self.n):
-            raise APIError(400, "n must be an integer", param="n")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._body, name)
 
 
 def flag(data: Mapping[str, object], name: str) -> bool:

@@ -6,7 +6,7 @@ run by postgres.py's `PostgresStore`.
 
 from __future__ import annotations
 
-import uuid
+import secrets
 from typing import Any
 
 from gateway.accounts.store.base import (
@@ -247,7 +247,7 @@ async def reserve_in(con: Any, req: ReserveRequest) -> Reservation | Refusal:
     verdict = decide(team, c, req, [(float(b["second"] + 1), b["tokens"]) for b in buckets])
     if isinstance(verdict, Refusal):
         return verdict
-    rid = f"rsv-{uuid.uuid4().hex}"
+    rid = f"rsv-{secrets.token_hex(16)}"
     await con.execute(
         "INSERT INTO reservations (id, team_id, key_id, request_id, created_at, expires_at, "
         "tokens, cost_usd, gateway_id, booked) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10)",

@@ -6,9 +6,9 @@ usage record, the expiry of lapsed bookings — as functions of a connection, ru
 
 from __future__ import annotations
 
+import secrets
 import sqlite3
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -107,7 +107,7 @@ def reserve_in(db: sqlite3.Connection, req: ReserveRequest) -> Reservation | Ref
             verdict = decide(team, c, req, [(float(b[0] + 1), b[1]) for b in buckets])
         if isinstance(verdict, Refusal):
             return verdict
-        rid = f"rsv-{uuid.uuid4().hex}"
+        rid = f"rsv-{secrets.token_hex(16)}"
         db.execute(
             "INSERT INTO reservations (id, team_id, key_id, request_id, created_at, expires_at, "
             "tokens, cost_usd, gateway_id, booked) VALUES (?,?,?,?,?,?,?,?,?,?)",
