@@ -92,7 +92,8 @@ class LlamaModel:
         #: None: every step on torch ops (what the flags below derive from, so a test may set
         #: it to None on a built model and get the torch path whole)
         self.kernels = kernels_lib() if usable else None
-        #: an int8 KV pool (engine/kv_quant.py::kv_int8_pool): prefill chunks attend on SDPA
+        #: an int8 KV pool (engine/kv_quant.py::kv_int8_pool): a prefill chunk with no cached prefix
+        #: attends on SDPA to its own unquantized K/V (engine/attention.py)
         self.kv_int8 = False
         #: bf16 engines keep the residual stream in fp32 (see the module docstring)
         self.res32 = dtype == torch.bfloat16

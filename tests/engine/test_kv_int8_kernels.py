@@ -7,7 +7,8 @@ What each must hold:
   test) within fp32 rounding (fp32 steps: the kernel scales the dot products, the reference the
   rows) or one bf16 rounding (bf16 steps); every token of a mixed step is checked (prefill tokens
   too: prefill_attention hands an int8 pool to the per-token path);
-- the engine's own split (decodes on the kernel, prefill chunks on SDPA) against the torch path;
+- the engine's own split (decodes and a chunk after a cached prefix on the kernel, a fresh chunk on
+  SDPA) against the torch path;
 - the AVX2 + FMA path against the portable C, within fp32 rounding of each other.
 """
 
@@ -115,15 +116,37 @@ def test_store_bytes_and_attention_match_the_dequantized_pool(
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_engine_split_matches_the_torch_path(dtype: torch.dtype) -> None:
-    """Decodes on the int8 kernel, prefill chunks on SDPA (what the engine runs for an int8
-    pool) against the torch path whole: prefill rows equal, decode rows within rounding."""
+    """What the engine runs for an int8 pool: decodes and a chunk after a cached prefix on the
+    int8 kernel (reading the rows in place), a fresh chunk on SDPA over its own unquantized K/V.
+    The fresh chunk's rows equal the torch path's, the decodes' within rounding; the chunk after a
+    prefix is the kernel's own answer bit for bit, within rounding of fp32 attention over the
+    dequantized pool."""
     heads = SHAPES["smollm2"][0]
     cache, rope, md, qkv = _int8_step(dtype, "smollm2", seed=5)
     q_k, c_k, mixed = _run(lib, cache, rope, md, qkv, heads, kernel_prefill=False)
     torch_only = paged_attention(q_k, heads, c_k, 1, md, None, 0, kernel_prefill=False)
     nd = md.num_decode
-    assert torch.equal(mixed[nd:], torch_only[nd:])
+    fresh, after = md.prefills
+    assert fresh.start_pos == 0 and after.start_pos > 0
+    rows = {name: slice(p.q_start, p.q_start + p.q_len) for name, p in [("f", fresh), ("a", after)]}
+    assert torch.equal(mixed[rows["f"]], torch_only[rows["f"]])
     _close(mixed[:nd], torch_only[:nd], dtype, c_k)
+    # bf16 SDPA over the dequantized rows strays past one rounding here; the kernel holds
+    reference = _reference(q_k, heads, c_k, md)
+    _close(mixed[rows["a"]], reference[rows["a"]], dtype, c_k)
+    step = _kstep(c_k, md, rope, heads)
+    kernel = torch.empty_like(mixed)
+    lib.paged_attention(
+        step.ptr,
+        1,
+        0,
+        md.num_tokens,
+        q_k.data_ptr(),
+        q_k.stride(0),
+        kernel.data_ptr(),
+        kernel.stride(0),
+    )
+    assert torch.equal(mixed[rows["a"]], kernel[rows["a"]]), "the chunk after a prefix ran on SDPA"
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 ISA levels")
