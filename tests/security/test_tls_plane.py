@@ -79,6 +79,23 @@ def tls_node(
         node.terminate()
 
 
+@pytest.mark.parametrize("role", ["node", "coordinator"])
+def test_a_certificate_without_its_key_stops_the_start(role: str, tmp_path: Path) -> None:
+    """A half-configured TLS plane is the operator's error at start (exit 2, both flags named),
+    never a server that quietly speaks plain http."""
+    import subprocess
+    import sys
+
+    certs = make_certs(tmp_path / "certs")
+    r = subprocess.run(
+        [sys.executable, "-m", "duet", role, "--tls-cert", str(certs.server_cert)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "--tls-cert and --tls-key go together" in r.stderr, r.stderr
+
+
 async def _leg(url: str, model: str, security: PlaneSecurity) -> int:
     body = {"model": model, "prompt": list(range(10, 30)), "max_tokens": 2}
     async with security.client_session() as s, s.post(url + "/v1/completions", json=body) as r:
@@ -155,11 +172,17 @@ def test_a_whole_cluster_runs_over_https(tiny_llama: Path, tmp_path: Path) -> No
     cluster's CA: nodes register https URLs in etcd, the coordinator reaches them for /kv/events,
     the gateway routes through the coordinator, the decode node fetches the prefill node's
     /kv/metadata and releases its blocks over https (and reads the KV over the tcp transport,
-    whose handshake proves the secret). Plain http reaches none of them."""
+    whose handshake proves the secret). Plain http reaches none of them.
+
+    The certificate names a host only (DNS:localhost, no IP address), as cert-manager issues
+    them on Kubernetes (deploy/components/internal-tls), and every process goes by that name.
+    The decode node connects to the address it checked the prefill node's name resolves to, and
+    checked the certificate against that address: no pull ever succeeded (502 under
+    --failure-policy fail)."""
     from tests.coordinator.conftest import http as plain_http
     from tests.procs import secured_plane
 
-    certs = make_certs(tmp_path / "certs")
+    certs = make_certs(tmp_path / "certs", server_names="DNS:localhost")
     tls = (
         "--tls-cert",
         str(certs.server_cert),
@@ -168,7 +191,7 @@ def test_a_whole_cluster_runs_over_https(tiny_llama: Path, tmp_path: Path) -> No
         "--tls-ca",
         str(certs.ca),
     )
-    node_args = (*TINY_NODE_ARGS, "--transport", "tcp", *tls)
+    node_args = (*TINY_NODE_ARGS, "--transport", "tcp", "--advertise-host", "localhost", *tls)
     security = PlaneSecurity(secret=ClusterSecret(SECRET, "test"), tls_ca=str(certs.ca))
 
     async def get(url: str) -> tuple[int, str]:
@@ -181,7 +204,7 @@ def test_a_whole_cluster_runs_over_https(tiny_llama: Path, tmp_path: Path) -> No
         d = sp.node(
             "decode", tiny_llama, *node_args, "--failure-policy", "fail", node_id="decode-0"
         )
-        urls = {proc: f"https://127.0.0.1:{proc.port}" for proc in (coord, p, d)}
+        urls = {proc: f"https://localhost:{proc.port}" for proc in (coord, p, d)}
         model = {"kind": "cluster", "tokenizer": str(tiny_llama), "served_name": tiny_llama.name}
         g = gateway_proc(
             sp.tmp,
