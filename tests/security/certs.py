@@ -97,3 +97,37 @@ def make_certs(d: Path, server_names: str = "IP:127.0.0.1,DNS:localhost") -> Cer
     return Certs(
         d / "ca.pem", d / "server.pem", d / "server.key", d / "client.pem", d / "client.key"
     )
+
+
+def renew_server(certs: Certs) -> str:
+    """Sign the server's key again (a new serial, as a renewal has) and swap it into place at
+    once, as the kubelet updates a Secret volume; returns the new serial (hex, upper case)."""
+    d = certs.server_cert.parent
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAserial",
+        "ca.srl",
+        "-out",
+        "server.renewed.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "server.ext",
+        cwd=d,
+    )
+    r = subprocess.run(
+        ["openssl", "x509", "-noout", "-serial", "-in", "server.renewed.pem"],
+        cwd=d,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    (d / "server.renewed.pem").replace(certs.server_cert)
+    return r.stdout.strip().split("=", 1)[1].upper()

@@ -16,6 +16,7 @@ import asyncio
 import json
 import re
 import secrets
+import socket
 import ssl
 import urllib.error
 import urllib.request
@@ -145,6 +146,38 @@ def test_the_gateway_reaches_an_https_node_with_the_cluster_ca(
             model="tiny", prompt="TLS carries the cluster secret", max_tokens=3, temperature=0
         )
         assert r.usage is not None and r.usage.completion_tokens > 0
+
+
+def _served_serial(url: str, ca: Path) -> str:
+    host, port = url.removeprefix("https://").rsplit(":", 1)
+    ctx = ssl.create_default_context(cafile=str(ca))
+    with (
+        socket.create_connection((host, int(port)), timeout=5) as raw,
+        ctx.wrap_socket(raw, server_hostname=host) as tls,
+    ):
+        cert = tls.getpeercert()
+    assert cert is not None
+    return str(cert["serialNumber"]).upper()
+
+
+def test_a_renewed_certificate_is_served_without_a_restart(
+    tls_node: tuple[Proc, str, Certs, Path],
+) -> None:
+    """cert-manager renews a certificate before it expires and the kubelet rewrites the Secret's
+    files; the node loaded them once at start, so it served the old one until it expired. Now a
+    renewal on disk reaches new connections within seconds, the process never restarted."""
+    from tests.security.certs import renew_server
+
+    node, url, certs, _ = tls_node
+    before = _served_serial(url, certs.ca)
+    serial = renew_server(certs)
+    assert serial != before
+    wait_for(
+        lambda: _served_serial(url, certs.ca) == serial or node.proc.poll() is not None,
+        timeout=30,
+        what="the renewed certificate served",
+    )
+    assert node.proc.poll() is None and "loaded the renewed --tls-cert" in node.log()
 
 
 def test_the_planners_drain_reaches_an_https_node(tls_node: tuple[Proc, str, Certs, Path]) -> None:
