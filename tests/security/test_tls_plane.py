@@ -290,3 +290,40 @@ def test_a_whole_cluster_runs_over_https(tiny_llama: Path, tmp_path: Path) -> No
         finally:
             for proc in (g, d, p, coord):
                 proc.terminate()
+
+
+def test_the_manifests_prestop_hook_drains_an_https_node(
+    tls_node: tuple[Proc, str, Certs, Path], tmp_path: Path
+) -> None:
+    """deploy/'s preStop hook (prefill and decode pods) called http://127.0.0.1:PORT/drain,
+    which an https node does not answer: every scale-in fell back to `duet drain` and the
+    node's own grace period. With components/internal-tls it goes over https and checks the
+    certificate against $DUET_TLS_CA; the hook's own code, as rendered, run against an https
+    node. (After the planner's test: the node is drained already, the call answers at once.)"""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    from tests.deploy.test_manifests import DEPLOY, _container, _env, _one, _render
+
+    _, url, certs, secret = tls_node
+    port = url.rsplit(":", 1)[1]
+    prefill = _one(_render(DEPLOY / "overlays" / "cpu"), "Deployment", "duet-prefill")
+    assert _env(prefill)["DUET_TLS_CA"]["value"]
+    hook = _container(prefill)["lifecycle"]["preStop"]["exec"]["command"][2]
+    code = shlex.split(hook)[2]  # python -c '<this>' || exec duet drain ...
+    code = code.replace("127.0.0.1:8100/", f"127.0.0.1:{port}/").replace("wait=100", "wait=5")
+    env = {**os.environ, "DUET_CLUSTER_SECRET_FILE": str(secret)}
+    env.pop("DUET_TLS_CA", None)
+
+    def hook_rc(**extra: str) -> int:
+        r = subprocess.run(
+            [sys.executable, "-c", code], env={**env, **extra}, capture_output=True, timeout=60
+        )
+        return r.returncode
+
+    assert hook_rc() != 0  # plain http to an https port: the base's hook alone
+    other_ca = make_certs(tmp_path / "other").ca
+    assert hook_rc(DUET_TLS_CA=str(other_ca)) != 0  # a CA that did not sign its certificate
+    assert hook_rc(DUET_TLS_CA=str(certs.ca)) == 0
