@@ -41,13 +41,15 @@ async def serve(cfg: CoordinatorConfig, background: Sequence[Background] = ()) -
         app, deadlines=cfg.deadlines, handler_cancellation=True, access_log=None
     )
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=cfg.security.server_ssl())
+    tls = cfg.security.server_ssl()
+    site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=tls)
     try:
         await site.start()
     except OSError as e:
         await runner.cleanup()
         print(f"duet coordinator: cannot listen on {cfg.host}:{cfg.port}: {e}", file=sys.stderr)
         return 1
+    _renewals = cfg.security.renewals(tls)  # held: the task runs while this serves
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

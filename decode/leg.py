@@ -124,6 +124,7 @@ async def _source(
         [b for b in p.remote_block_ids if isinstance(b, int)],
         tuple(addrs),
         p.remote_block_digests,
+        p.remote_host,
     )
     return src, refused
 
@@ -238,7 +239,7 @@ async def _connect(rk: RemoteKV, src: Source) -> tuple[Peer | None, Pull | None]
     """Step 2: the peer, or the pull's failure when P cannot be reached (the blocks are still
     reserved and handed back, so the failure policy applies as after a failed READ)."""
     try:
-        peer = await rk.peer(src.engine_id, src.host, src.port, src.addresses)
+        peer = await rk.peer(src.engine_id, src.host, src.port, src.addresses, src.name)
     except PeerUnreachable as e:
         return None, Pull(PullOutcome.PEER_UNREACHABLE, str(e))
     remote_blocks = peer.layout.num_blocks

@@ -78,6 +78,9 @@ class Source:
     addresses: tuple[str, ...] = ()
     #: the content digest of each of `block_ids` (None: the sender gave none)
     digests: list[int] | None = None
+    #: the host as the leg named it (`host` is one of its addresses): over https, the name the
+    #: prefill node's certificate must carry
+    name: str | None = None
 
 
 def released(status: int) -> Pull:
@@ -193,7 +196,9 @@ class Puller:
             self.rk.forget(src.engine_id)
             return Pull(PullOutcome.READ_FAILED, f"{type(e).__name__}: {e}")
         self.released = True  # asked once, whatever the answer
-        return released(await self.rk.release(src.host, src.port, src.request_id, src.block_ids))
+        return released(
+            await self.rk.release(src.host, src.port, src.request_id, src.block_ids, src.name)
+        )
 
     def _log(self, pull: Pull, n_local: int, t_reserved: float) -> None:
         if pull.outcome is not PullOutcome.OK:
@@ -239,4 +244,4 @@ async def release_quietly(rk: RemoteKV, src: Source) -> None:
     only when they are exactly the request's, so a client cannot free others' blocks by naming
     their request id."""
     with contextlib.suppress(Exception):
-        await rk.release(src.host, src.port, src.request_id, src.block_ids)
+        await rk.release(src.host, src.port, src.request_id, src.block_ids, src.name)

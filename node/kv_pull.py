@@ -130,7 +130,7 @@ class PrefixPull:
             if reason is not None:
                 raise ValueError(reason)
             async with asyncio.timeout(self._left()):
-                return await rk.peer(share.engine_id, addrs[0], port, tuple(addrs))
+                return await rk.peer(share.engine_id, addrs[0], port, tuple(addrs), host)
         except Exception as e:  # refused, unreachable or late: compute instead
             log.warning("not pulling KV from %s: %s", self.source.url, e)
             node.metrics.peer_pull("peer_refused", 0)

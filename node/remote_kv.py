@@ -7,11 +7,14 @@ concurrent first contacts share one fetch. A metadata answer for a different eng
 the caller named an engine that is not at that address, and a transport address (tcp, ucx)
 outside the allowed networks or not on the host the leg named is refused before the transport
 connects (PeerPolicy.transport_address): the transport then connects to the checked IP address,
-never to the peer's name for it. A nixl peer off this host is refused too, unless the KV
-network is stated isolated (PeerPolicy.nixl_refusal, node/kv_network.py). Every contact goes
-through the PeerPolicy first (node.peers); the cache is bounded (least recently used dropped
-first). One per node with a transport (`Node.remote_kv`): the decode role reads its prefill
-node's blocks through it, and every role the blocks a peer shares (node/kv_pull.py).
+never to the peer's name for it. So do the HTTP calls (metadata, release); over https they check
+the certificate against the name the peer goes by (`name`: the host the leg named), since a
+certificate names hosts, not the addresses a name resolved to (cert-manager's have no IPs). A
+nixl peer off this host is refused too, unless the KV network is stated isolated
+(PeerPolicy.nixl_refusal, node/kv_network.py). Every contact goes through the PeerPolicy first
+(node.peers); the cache is bounded (least recently used dropped first). One per node with a
+transport (`Node.remote_kv`): the decode role reads its prefill node's blocks through it, and
+every role the blocks a peer shares (node/kv_pull.py).
 """
 
 from __future__ import annotations
@@ -62,13 +65,20 @@ class RemoteKV:
         #: waits for failed transfers to be over (strong references until done)
         self._quarantined: set[asyncio.Task[None]] = set()
 
-    async def peer(self, engine_id: str, host: str, port: int, named: tuple[str, ...]) -> Peer:
+    async def peer(
+        self,
+        engine_id: str,
+        host: str,
+        port: int,
+        named: tuple[str, ...],
+        name: str | None = None,
+    ) -> Peer:
         """The connected peer; `host` must be an address the policy allowed, one of `named` (the
-        addresses of the host the leg named), where the peer's transport must be too."""
+        addresses of the host the leg named, `name`), where the peer's transport must be too."""
         fut = self._peers.get(engine_id)
         if fut is None:
             fut = self._peers[engine_id] = asyncio.ensure_future(
-                self._connect(engine_id, host, port, named)
+                self._connect(engine_id, host, port, named, name)
             )
             while len(self._peers) > MAX_CACHED_PEERS:
                 self._peers.popitem(last=False)
@@ -81,13 +91,20 @@ class RemoteKV:
                 del self._peers[engine_id]  # retry on the next request
             raise
 
-    async def _connect(self, engine_id: str, host: str, port: int, named: tuple[str, ...]) -> Peer:
+    def _tls_name(self, name: str | None) -> dict[str, Any]:
+        """The request's keyword for the name an https peer's certificate must carry (the
+        connection goes to the checked address, whose certificate names the host)."""
+        return {"server_hostname": name} if self.scheme == "https" and name else {}
+
+    async def _connect(
+        self, engine_id: str, host: str, port: int, named: tuple[str, ...], name: str | None
+    ) -> Peer:
         from kvtransfer import TransferError, decode_metadata
 
         url = f"{self.scheme}://{_netloc(host, port)}/kv/metadata"
         try:
             async with self.session.get(
-                url, timeout=aiohttp.ClientTimeout(total=self.timeout)
+                url, timeout=aiohttp.ClientTimeout(total=self.timeout), **self._tls_name(name)
             ) as r:
                 if r.status != 200:
                     raise PeerUnreachable(f"{url} answered {r.status}")
@@ -127,15 +144,24 @@ class RemoteKV:
         self._peers.pop(engine_id, None)
 
     async def release(
-        self, host: str, port: int, request_id: str, block_ids: list[int] | None
+        self,
+        host: str,
+        port: int,
+        request_id: str,
+        block_ids: list[int] | None,
+        name: str | None = None,
     ) -> int:
-        """Tell the prefill node it may free the blocks; returns its HTTP status
-        (0: unreachable)."""
+        """Tell the prefill node at `host` (an address of `name`) it may free the blocks; returns
+        its HTTP status (0: unreachable)."""
         url = f"{self.scheme}://{_netloc(host, port)}/kv/release"
         try:
             body = msgspec.json.encode(KVReleaseRequest(request_id=request_id, block_ids=block_ids))
             async with self.session.post(
-                url, data=body, headers=_JSON, timeout=aiohttp.ClientTimeout(total=5)
+                url,
+                data=body,
+                headers=_JSON,
+                timeout=aiohttp.ClientTimeout(total=5),
+                **self._tls_name(name),
             ) as r:
                 return r.status
         except (aiohttp.ClientError, TimeoutError, OSError) as e:

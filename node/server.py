@@ -117,10 +117,10 @@ async def serve(state: NodeState) -> int:
         app, deadlines=cfg.deadlines, handler_cancellation=True, access_log=None
     )
     await runner.setup()
-    site = web.TCPSite(
-        runner, cfg.host, cfg.port, backlog=LISTEN_BACKLOG, ssl_context=cfg.security.server_ssl()
-    )
+    tls = cfg.security.server_ssl()
+    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=LISTEN_BACKLOG, ssl_context=tls)
     await site.start()
+    _renewals = cfg.security.renewals(tls)  # held: the task runs while this serves
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, state.shutdown.set)

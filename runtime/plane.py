@@ -3,8 +3,9 @@
 A node, a coordinator and a gateway each hold one `PlaneSecurity` (from the flags of
 duet/security_args.py). The server side: `middlewares()` (the cluster-secret check,
 runtime/cluster_secret.py), `server_ssl()` (an https listener when `--tls-cert/--tls-key` are
-set). The client side: `headers` on every internal request and `client_ssl()`, which trusts
-`--tls-ca` (plus the system's CAs) for https peers. `scheme` is what a process writes into a
+set; `renewals()` loads renewed certificate files into it while the process runs). The client
+side: `headers` on every internal request and `client_ssl()`, which trusts `--tls-ca` (plus the
+system's CAs) for https peers. `scheme` is what a process writes into a
 URL it builds from a bare host and port (a peer named in `kv_transfer_params`, its own
 registration): https once the plane runs TLS.
 
@@ -16,6 +17,9 @@ cluster_secret.require_secret_policy before it listens.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
 import ssl
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -30,6 +34,11 @@ from runtime.cluster_secret import (
     auth_middleware,
     require_secret_policy,
 )
+
+log = logging.getLogger("duet.plane")
+
+#: seconds between two looks at the certificate files for a renewal (a stat each)
+RENEWAL_CHECK_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -100,6 +109,16 @@ class PlaneSecurity:
             ) from None
         return ctx
 
+    def renewals(self, ctx: ssl.SSLContext | None) -> asyncio.Task[None] | None:
+        """Watch --tls-cert/--tls-key and load them into `ctx` (the listener's) when they change:
+        new connections get the renewed certificate. cert-manager renews before expiry and the
+        kubelet rewrites the mounted files; a process that loaded them once would serve the old
+        certificate past its end. None without TLS. (Needs a running event loop; the task ends
+        with it.)"""
+        if ctx is None or not self.tls_cert or not self.tls_key:
+            return None
+        return asyncio.ensure_future(_reload_on_change(ctx, self.tls_cert, self.tls_key))
+
     def client_ssl(self) -> ssl.SSLContext | bool:
         """The client's TLS trust: the system's CAs, plus `tls_ca` when set (True: aiohttp's
         default)."""
@@ -123,3 +142,29 @@ class PlaneSecurity:
             trace_configs=trace_configs,
             connector=aiohttp.TCPConnector(ssl=self.client_ssl()),
         )
+
+
+async def _reload_on_change(ctx: ssl.SSLContext, cert: str, key: str) -> None:
+    def stamp() -> tuple[tuple[int, int, int], ...]:
+        # stat follows the kubelet's ..data symlink: a renewal changes the inode
+        return tuple(
+            (st.st_ino, st.st_mtime_ns, st.st_size) for st in (os.stat(cert), os.stat(key))
+        )
+
+    seen = stamp()
+    while True:
+        await asyncio.sleep(RENEWAL_CHECK_S)
+        try:
+            now = stamp()
+            if now == seen:
+                continue
+            ctx.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as e:
+            # a certificate written before its key (not by the kubelet, whose swap is atomic):
+            # the next look finds both
+            log.warning(
+                "cannot load the renewed --tls-cert %s: %s; still serving the last", cert, e
+            )
+            continue
+        seen = now
+        log.info("loaded the renewed --tls-cert %s", cert)

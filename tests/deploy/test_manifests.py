@@ -32,11 +32,14 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 OVERLAYS = ("cpu", "gpu")
 #: the oldest Kubernetes the manifests support, and the newest schema kubernetes-validate ships
 KUBERNETES_VERSIONS = ("1.31.0", "1.37.0")
-#: kinds with no schema in kubernetes-validate: checked against the Prometheus operator's CRD
-#: models (cloudcoil-models-prometheus-operator) instead
+#: kinds with no schema in kubernetes-validate: checked against their CRDs' models instead (the
+#: Prometheus operator's, cloudcoil-models-prometheus-operator; cert-manager's,
+#: cloudcoil-models-cert-manager), by the module of their API group
 CRD_KINDS = {
-    ("monitoring.coreos.com/v1", "ServiceMonitor"),
-    ("monitoring.coreos.com/v1", "PrometheusRule"),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "prometheus_operator",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheus_operator",
+    ("cert-manager.io/v1", "Issuer"): "cert_manager",
+    ("cert-manager.io/v1", "Certificate"): "cert_manager",
 }
 DASHBOARD = DEPLOY / "monitoring" / "grafana" / "duet-overview.json"
 RULES = DEPLOY / "monitoring" / "prometheusrule.yaml"
@@ -118,8 +121,10 @@ def _env(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def _validate_crd(obj: dict[str, Any]) -> None:
-    from cloudcoil.models.prometheus_operator import v1
+    import importlib
 
+    group = CRD_KINDS[(obj["apiVersion"], obj["kind"])]
+    v1 = importlib.import_module(f"cloudcoil.models.{group}.v1")
     model = getattr(v1, obj["kind"]).model_validate(obj)
     # The models ignore fields they do not know: a round trip that loses one is a typo.
     assert model.model_dump(mode="json", by_alias=True, exclude_unset=True) == obj, (
@@ -155,6 +160,10 @@ def test_the_crd_check_refuses_a_field_the_crd_lacks(
     monitor["spec"]["endpoints"][0]["intervall"] = "15s"
     with pytest.raises(AssertionError, match="fields its CRD does not define"):
         _validate_crd(monitor)
+    cert = json.loads(json.dumps(_one(rendered["gpu"], "Certificate", "duet-prefill")))
+    cert["spec"]["dnsName"] = cert["spec"].pop("dnsNames")
+    with pytest.raises(AssertionError, match="fields its CRD does not define"):
+        _validate_crd(cert)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -214,6 +223,8 @@ def test_references_resolve(rendered: dict[str, list[dict[str, Any]]], overlay: 
         env = _env(w)
         for var in re.findall(r"\$\((\w+)\)", " ".join(c.get("args", []))):
             assert var in env, f"{name}: $({var}) in its args is not in its env"
+        for var in re.findall(r"\$(\w+)", " ".join(c.get("command", [])[2:3])):
+            assert var in env, f"{name}: ${var} in its start command is not in its env"
         for e in env.values():
             ref = e.get("valueFrom", {})
             if "configMapKeyRef" in ref:
@@ -294,9 +305,40 @@ _POD_ENV = {
 }
 
 
+def _duet_argv(container: dict[str, Any], tmp: Path) -> list[str]:
+    """The arguments `duet` starts with in this container: its args with the $(VAR)s the kubelet
+    expands, through its start command when it has one (run by sh, with a `duet` that prints
+    what it was given)."""
+    args = [re.sub(r"\$\((\w+)\)", lambda m: _POD_ENV[m.group(1)], a) for a in container["args"]]
+    command = container.get("command")
+    if not command:
+        return args
+    assert command[:2] == ["/bin/sh", "-c"] and command[3] == "duet", command
+    stub = tmp / "bin" / "duet"
+    stub.parent.mkdir(exist_ok=True)
+    stub.write_text(
+        f"#!/bin/sh\nexec {sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "
+        '"$@"\n'
+    )
+    stub.chmod(0o755)
+    env = {**_POD_ENV, "PATH": f"{stub.parent}:/usr/bin:/bin"}
+    r = subprocess.run(
+        ["/bin/sh", "-c", command[2], command[3], *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_command_line_parses(
-    rendered: dict[str, list[dict[str, Any]]], overlay: str, capsys: pytest.CaptureFixture[str]
+    rendered: dict[str, list[dict[str, Any]]],
+    overlay: str,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
 ) -> None:
     """Each container's arguments, and the preStop fallback's `duet drain`, through `duet`'s own
     argument parser: a misspelt flag fails here, not in a crash-looping pod, and so does a
@@ -315,7 +357,7 @@ def test_every_command_line_parses(
 
     for d in _find(rendered[overlay], "Deployment"):
         c = _container(d)
-        parse(c["args"], d["metadata"]["name"])
+        parse(_duet_argv(c, tmp_path), d["metadata"]["name"])
         pre_stop = c.get("lifecycle", {}).get("preStop")
         if pre_stop:
             fallback = pre_stop["exec"]["command"][2].split("|| exec duet ")[1]
@@ -434,7 +476,7 @@ def test_nodes_drain_before_they_stop(
         assert subprocess.run(["sh", "-n", "-c", sh[2]], capture_output=True).returncode == 0, sh[2]
         python = shlex.split(sh[2])[2]  # python -c '<this>' || ...
         compile(python, "preStop", "exec")
-        wait = int(re.search(rf"http://127\.0\.0\.1:{port}/drain\?wait=(\d+)", python).group(1))
+        wait = int(re.search(rf"://127\.0\.0\.1:{port}/drain\?wait=(\d+)", python).group(1))
         assert wait + 10 < spec["terminationGracePeriodSeconds"]
         assert "Bearer" in python and "DUET_CLUSTER_SECRET_FILE" in python
 
@@ -610,6 +652,97 @@ def test_nixl_crosses_machines_only_with_the_isolation_statement(
         stated = "--kv-network-isolated" in args
         is_node = d["metadata"]["name"] in ("duet-prefill", "duet-decode")
         assert stated == is_node, (d["metadata"]["name"], args)
+
+
+#: the internal plane's serving roles (Deployments and their Services)
+_SERVING = ("duet-coordinator", "duet-prefill", "duet-decode")
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """A certificate's DNS name `pattern` covers `name` (a wildcard: one leftmost label)."""
+    if pattern.startswith("*."):
+        head, _, rest = name.partition(".")
+        return bool(head) and rest == pattern[2:]
+    return name == pattern
+
+
+def _mounted_file(d: dict[str, Any], path: str) -> tuple[dict[str, Any], str]:
+    """The volume a container's file `path` comes from, and its key (name) in that volume."""
+    c, spec = _container(d), d["spec"]["template"]["spec"]
+    mount = next(m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    assert mount.get("readOnly"), (d["metadata"]["name"], mount)
+    volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+    return volume, path[len(mount["mountPath"]) + 1 :]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_internal_plane_runs_tls(
+    rendered: dict[str, list[dict[str, Any]]], overlay: str, tmp_path: Path
+) -> None:
+    """No --tls-* was in the manifests: the cluster secret and a prefill node's memory keys
+    (GET /kv/metadata) crossed the pod network in clear. Now cert-manager issues the cluster's
+    CA and a certificate per serving role; coordinators and nodes serve https with theirs and
+    register a name it carries; every client (gateway, coordinators, nodes, the preStop hook,
+    Prometheus) checks the CA."""
+    objs = rendered[overlay]
+    issuers = {o["metadata"]["name"]: o["spec"] for o in _find(objs, "Issuer")}
+    certs = {o["metadata"]["name"]: o["spec"] for o in _find(objs, "Certificate")}
+    # the chain: a self-signed root signs the CA, whose Issuer signs the serving certificates
+    ca = certs["duet-internal-ca"]
+    assert ca["isCA"] is True and issuers[ca["issuerRef"]["name"]] == {"selfSigned": {}}
+    [ca_issuer] = [n for n, spec in issuers.items() if "ca" in spec]
+    assert issuers[ca_issuer]["ca"]["secretName"] == ca["secretName"]
+    by_secret = {spec["secretName"]: spec for spec in certs.values()}
+    namespaces = {o["metadata"].get("namespace") for o in objs if o["kind"] != "Namespace"}
+    assert namespaces == {"duet"}, namespaces
+    services = {o["metadata"]["name"]: o for o in _find(objs, "Service")}
+
+    for name in _SERVING:
+        d = _one(objs, "Deployment", name)
+        c = _container(d)
+        argv = _duet_argv(c, tmp_path)
+        flags = dict(a.split("=", 1) for a in argv if a.startswith("--tls-"))
+        assert set(flags) == {"--tls-cert", "--tls-key", "--tls-ca"}, (name, argv)
+        volumes = {f: _mounted_file(d, path) for f, path in flags.items()}
+        secret = {v["secret"]["secretName"] for v, _ in volumes.values()}
+        assert len(secret) == 1, (name, volumes)  # one Secret: the role's certificate
+        cert = by_secret[secret.pop()]
+        assert cert["issuerRef"]["name"] == ca_issuer and cert.get("isCA") is not True
+        assert cert["dnsNames"] and "server auth" in cert["usages"]
+        assert [key for _, key in volumes.values()] == ["tls.crt", "tls.key", "ca.crt"]
+        # the name it registers (the last --advertise-* wins) is the pod's, and the cert's
+        advertised = [a.split("=", 1)[1] for a in argv if a.startswith("--advertise-")][-1]
+        host = advertised.split("://")[-1].rsplit(":", 1)[0] if "://" in advertised else advertised
+        assert host == "10-1-2-3.duet.pod", (name, argv)  # POD_IP 10.1.2.3 in namespace duet
+        assert advertised.startswith("https://") or "://" not in advertised
+        assert any(_matches(host, n) for n in cert["dnsNames"]), (name, cert["dnsNames"])
+        # probes over https; the Service port Prometheus scrapes is checked against its name
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            if probe in c:
+                assert c[probe]["httpGet"]["scheme"] == "HTTPS", (name, probe)
+        [svc_port] = services[name]["spec"]["ports"]
+        assert f"{name}.duet.svc" in cert["dnsNames"]
+        if "ServiceMonitor" in {o["kind"] for o in objs}:
+            endpoints = _one(objs, "ServiceMonitor", "duet")["spec"]["endpoints"]
+            [ep] = [e for e in endpoints if e["port"] == svc_port["name"]]
+            assert ep["scheme"] == "https" and ep["tlsConfig"]["serverName"] == f"{name}.duet.svc"
+            assert ep["tlsConfig"]["ca"]["secret"] == {"name": ca["secretName"], "key": "ca.crt"}
+        if name != "duet-coordinator":  # the preStop hook drains over https with the same CA
+            assert _env(d)["DUET_TLS_CA"]["value"] == flags["--tls-ca"]
+            assert "127.0.0.1" in cert["ipAddresses"]  # what it calls (test_tls_plane runs it)
+
+    gw = _one(objs, "Deployment", "duet-gateway")
+    argv = _duet_argv(_container(gw), tmp_path)
+    [gw_ca] = [a.split("=", 1)[1] for a in argv if a.startswith("--tls-ca=")]
+    volume, key = _mounted_file(gw, gw_ca)
+    assert volume["secret"]["secretName"] == ca["secretName"] and key == "ca.crt"
+    assert volume["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]  # not the CA's key
+    assert not [a for a in argv if a.startswith(("--tls-cert", "--tls-key"))]  # its public API
+    gw_port = services["duet-gateway"]["spec"]["ports"][0]["name"]
+    [ep] = [
+        e for e in _one(objs, "ServiceMonitor", "duet")["spec"]["endpoints"] if e["port"] == gw_port
+    ]
+    assert ep.get("scheme", "http") == "http"
 
 
 def test_external_etcd_component(rendered: dict[str, list[dict[str, Any]]]) -> None:

@@ -1,6 +1,7 @@
 """A throw-away certificate authority for TLS tests, made with the `openssl` CLI (the
-`cryptography` package is not a dependency): a CA, a server certificate for 127.0.0.1 and a
-client certificate, each signed by the CA, every key 0600."""
+`cryptography` package is not a dependency): a CA, a server certificate for 127.0.0.1 and
+localhost (or the names given: `server_names`) and a client certificate, each signed by the CA,
+every key 0600."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def _openssl(*args: str, cwd: Path) -> None:
         raise RuntimeError(f"openssl {' '.join(args)} failed: {r.stderr[-2000:]}")
 
 
-def make_certs(d: Path) -> Certs:
+def make_certs(d: Path, server_names: str = "IP:127.0.0.1,DNS:localhost") -> Certs:
+    """`server_names`: the server certificate's subjectAltName (the client's is the default)."""
     if shutil.which("openssl") is None:
         pytest.skip("the openssl CLI is needed to make test certificates")
     d.mkdir(parents=True, exist_ok=True)
@@ -51,7 +53,11 @@ def make_certs(d: Path) -> Certs:
         "keyUsage=critical,keyCertSign,cRLSign",
         cwd=d,
     )
-    for name, usage in (("server", "serverAuth"), ("client", "clientAuth")):
+    default = "IP:127.0.0.1,DNS:localhost"
+    for name, usage, sans in (
+        ("server", "serverAuth", server_names),
+        ("client", "clientAuth", default),
+    ):
         _openssl(
             "req",
             "-newkey",
@@ -66,8 +72,7 @@ def make_certs(d: Path) -> Certs:
             cwd=d,
         )
         (d / f"{name}.ext").write_text(
-            f"subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage={usage}\n"
-            "basicConstraints=CA:FALSE\n"
+            f"subjectAltName={sans}\nextendedKeyUsage={usage}\nbasicConstraints=CA:FALSE\n"
         )
         _openssl(
             "x509",
@@ -92,3 +97,37 @@ def make_certs(d: Path) -> Certs:
     return Certs(
         d / "ca.pem", d / "server.pem", d / "server.key", d / "client.pem", d / "client.key"
     )
+
+
+def renew_server(certs: Certs) -> str:
+    """Sign the server's key again (a new serial, as a renewal has) and swap it into place at
+    once, as the kubelet updates a Secret volume; returns the new serial (hex, upper case)."""
+    d = certs.server_cert.parent
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAserial",
+        "ca.srl",
+        "-out",
+        "server.renewed.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "server.ext",
+        cwd=d,
+    )
+    r = subprocess.run(
+        ["openssl", "x509", "-noout", "-serial", "-in", "server.renewed.pem"],
+        cwd=d,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    (d / "server.renewed.pem").replace(certs.server_cert)
+    return r.stdout.strip().split("=", 1)[1].upper()

@@ -16,6 +16,7 @@ import asyncio
 import json
 import re
 import secrets
+import socket
 import ssl
 import urllib.error
 import urllib.request
@@ -79,6 +80,23 @@ def tls_node(
         node.terminate()
 
 
+@pytest.mark.parametrize("role", ["node", "coordinator"])
+def test_a_certificate_without_its_key_stops_the_start(role: str, tmp_path: Path) -> None:
+    """A half-configured TLS plane is the operator's error at start (exit 2, both flags named),
+    never a server that quietly speaks plain http."""
+    import subprocess
+    import sys
+
+    certs = make_certs(tmp_path / "certs")
+    r = subprocess.run(
+        [sys.executable, "-m", "duet", role, "--tls-cert", str(certs.server_cert)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "--tls-cert and --tls-key go together" in r.stderr, r.stderr
+
+
 async def _leg(url: str, model: str, security: PlaneSecurity) -> int:
     body = {"model": model, "prompt": list(range(10, 30)), "max_tokens": 2}
     async with security.client_session() as s, s.post(url + "/v1/completions", json=body) as r:
@@ -130,6 +148,38 @@ def test_the_gateway_reaches_an_https_node_with_the_cluster_ca(
         assert r.usage is not None and r.usage.completion_tokens > 0
 
 
+def _served_serial(url: str, ca: Path) -> str:
+    host, port = url.removeprefix("https://").rsplit(":", 1)
+    ctx = ssl.create_default_context(cafile=str(ca))
+    with (
+        socket.create_connection((host, int(port)), timeout=5) as raw,
+        ctx.wrap_socket(raw, server_hostname=host) as tls,
+    ):
+        cert = tls.getpeercert()
+    assert cert is not None
+    return str(cert["serialNumber"]).upper()
+
+
+def test_a_renewed_certificate_is_served_without_a_restart(
+    tls_node: tuple[Proc, str, Certs, Path],
+) -> None:
+    """cert-manager renews a certificate before it expires and the kubelet rewrites the Secret's
+    files; the node loaded them once at start, so it served the old one until it expired. Now a
+    renewal on disk reaches new connections within seconds, the process never restarted."""
+    from tests.security.certs import renew_server
+
+    node, url, certs, _ = tls_node
+    before = _served_serial(url, certs.ca)
+    serial = renew_server(certs)
+    assert serial != before
+    wait_for(
+        lambda: _served_serial(url, certs.ca) == serial or node.proc.poll() is not None,
+        timeout=30,
+        what="the renewed certificate served",
+    )
+    assert node.proc.poll() is None and "loaded the renewed --tls-cert" in node.log()
+
+
 def test_the_planners_drain_reaches_an_https_node(tls_node: tuple[Proc, str, Certs, Path]) -> None:
     """The planner drains a node through the coordinator's own plane session (planner/cli.py):
     the cluster secret and the cluster's CA. It used a bare session, which an https node with a
@@ -155,11 +205,17 @@ def test_a_whole_cluster_runs_over_https(tiny_llama: Path, tmp_path: Path) -> No
     cluster's CA: nodes register https URLs in etcd, the coordinator reaches them for /kv/events,
     the gateway routes through the coordinator, the decode node fetches the prefill node's
     /kv/metadata and releases its blocks over https (and reads the KV over the tcp transport,
-    whose handshake proves the secret). Plain http reaches none of them."""
+    whose handshake proves the secret). Plain http reaches none of them.
+
+    The certificate names a host only (DNS:localhost, no IP address), as cert-manager issues
+    them on Kubernetes (deploy/components/internal-tls), and every process goes by that name.
+    The decode node connects to the address it checked the prefill node's name resolves to, and
+    checked the certificate against that address: no pull ever succeeded (502 under
+    --failure-policy fail)."""
     from tests.coordinator.conftest import http as plain_http
     from tests.procs import secured_plane
 
-    certs = make_certs(tmp_path / "certs")
+    certs = make_certs(tmp_path / "certs", server_names="DNS:localhost")
     tls = (
         "--tls-cert",
         str(certs.server_cert),
@@ -168,7 +224,7 @@ def test_a_whole_cluster_runs_over_https(tiny_llama: Path, tmp_path: Path) -> No
         "--tls-ca",
         str(certs.ca),
     )
-    node_args = (*TINY_NODE_ARGS, "--transport", "tcp", *tls)
+    node_args = (*TINY_NODE_ARGS, "--transport", "tcp", "--advertise-host", "localhost", *tls)
     security = PlaneSecurity(secret=ClusterSecret(SECRET, "test"), tls_ca=str(certs.ca))
 
     async def get(url: str) -> tuple[int, str]:
@@ -181,7 +237,7 @@ def test_a_whole_cluster_runs_over_https(tiny_llama: Path, tmp_path: Path) -> No
         d = sp.node(
             "decode", tiny_llama, *node_args, "--failure-policy", "fail", node_id="decode-0"
         )
-        urls = {proc: f"https://127.0.0.1:{proc.port}" for proc in (coord, p, d)}
+        urls = {proc: f"https://localhost:{proc.port}" for proc in (coord, p, d)}
         model = {"kind": "cluster", "tokenizer": str(tiny_llama), "served_name": tiny_llama.name}
         g = gateway_proc(
             sp.tmp,
@@ -234,3 +290,40 @@ def test_a_whole_cluster_runs_over_https(tiny_llama: Path, tmp_path: Path) -> No
         finally:
             for proc in (g, d, p, coord):
                 proc.terminate()
+
+
+def test_the_manifests_prestop_hook_drains_an_https_node(
+    tls_node: tuple[Proc, str, Certs, Path], tmp_path: Path
+) -> None:
+    """deploy/'s preStop hook (prefill and decode pods) called http://127.0.0.1:PORT/drain,
+    which an https node does not answer: every scale-in fell back to `duet drain` and the
+    node's own grace period. With components/internal-tls it goes over https and checks the
+    certificate against $DUET_TLS_CA; the hook's own code, as rendered, run against an https
+    node. (After the planner's test: the node is drained already, the call answers at once.)"""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    from tests.deploy.test_manifests import DEPLOY, _container, _env, _one, _render
+
+    _, url, certs, secret = tls_node
+    port = url.rsplit(":", 1)[1]
+    prefill = _one(_render(DEPLOY / "overlays" / "cpu"), "Deployment", "duet-prefill")
+    assert _env(prefill)["DUET_TLS_CA"]["value"]
+    hook = _container(prefill)["lifecycle"]["preStop"]["exec"]["command"][2]
+    code = shlex.split(hook)[2]  # python -c '<this>' || exec duet drain ...
+    code = code.replace("127.0.0.1:8100/", f"127.0.0.1:{port}/").replace("wait=100", "wait=5")
+    env = {**os.environ, "DUET_CLUSTER_SECRET_FILE": str(secret)}
+    env.pop("DUET_TLS_CA", None)
+
+    def hook_rc(**extra: str) -> int:
+        r = subprocess.run(
+            [sys.executable, "-c", code], env={**env, **extra}, capture_output=True, timeout=60
+        )
+        return r.returncode
+
+    assert hook_rc() != 0  # plain http to an https port: the base's hook alone
+    other_ca = make_certs(tmp_path / "other").ca
+    assert hook_rc(DUET_TLS_CA=str(other_ca)) != 0  # a CA that did not sign its certificate
+    assert hook_rc(DUET_TLS_CA=str(certs.ca)) == 0
