@@ -301,7 +301,9 @@ class Ledger:
             r.migrations, r.leg_tokens = acc.migrations, list(acc.leg_tokens)
             r.model_used = acc.model_used or r.model_used
             r.version = acc.version
-        written = acc.cache_write_tokens if acc is not None else 0
+        # what the nodes wrote to keep (none when nobody served: no node computed the prefix)
+        written = acc.cache_write_tokens if acc is not None and (served or prompt_only) else 0
+        r.cache_write_tokens = written
         # A request no node served (refused by a node, shed, every try failed) costs nothing.
         r.cost_usd = (
             cost_usd(self.model, r.prompt_tokens, r.completion_tokens, r.cached_tokens, written)
