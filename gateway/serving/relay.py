@@ -212,8 +212,7 @@ class Relay:
             if not cap.expired():
                 raise
             await reply.aclose()  # the nodes stop before the record is written
-            await self._timed_out()
-            raise timed_out(self.cap_s) from None
+            await self._cut(None)
         finally:
             await reply.aclose()
         await ledger.commit(UsageStatus.OK, reply.accounting)
@@ -227,9 +226,8 @@ class Relay:
         held: list[Piece] = []  # finishing chunks wait for the usage record's commit
         pending: list[bytes] = []  # chunks whose successor has already arrived: one write
         unsent: list[Piece] = []  # the pieces of `pending`, counted sent once written
-        # read ahead of a slow client (bounded), from the first write that could wait for it:
-        # the node's slot is free once the node is done. A client that keeps up needs none (no
-        # task, no hand-off per piece).
+        # read ahead of a slow client (bounded) from the first write that could wait for it, so
+        # the node's slot is free once the node is done; a client that keeps up needs none
         ended = self.ended if self.read_ahead_bytes > 0 else None
         pieces: ReadAhead | None = None
         source: AsyncIterator[Piece] = aiter(reply)
@@ -268,21 +266,12 @@ class Relay:
             await _close(reply, pieces)
             if not cap.expired():
                 raise
-            await self._timed_out()
-            err = timed_out(self.cap_s)
-            if not sink.opened:  # nothing went out: a plain error, as before the first piece
-                raise err from None
-            # (a write the cap cut had its chunk buffered whole: only the wait for it is cut)
-            await sink.end(error_event(err) + DONE)
+            await self._cut(sink)
             return
         except MidStreamError as e:
             await _close(reply, pieces)
             self._written(unsent)  # they leave with the error event, in the same send
-            await ledger.commit(UsageStatus.ERROR_MIDSTREAM, reply.accounting, self.sent)
-            log.warning("%s: mid-stream failure: %s", ledger.record.request_id, e.message)
-            if not sink.opened:  # no piece went out (the deltas showed no text): a plain error
-                raise
-            await sink.end(b"".join([*pending, error_event(e), DONE]))
+            await self._broke_off(sink, e, pending)
             return
         except BaseException:
             await _close(reply, pieces)
@@ -290,10 +279,20 @@ class Relay:
         await ledger.commit(UsageStatus.OK, reply.accounting)
         await self._end(sink, headers, [*pending, *(fmt.chunk(p) for p in held)], include_usage)
 
-    async def _timed_out(self) -> None:
+    async def _broke_off(self, sink: EventSink, e: MidStreamError, pending: list[bytes]) -> None:
+        """A stream whose reply broke off (closed; `pending`: its chunks not written yet):
+        committed as such, then ended with the error event (raised: no piece went out yet)."""
+        await self.ledger.commit(UsageStatus.ERROR_MIDSTREAM, self.reply.accounting, self.sent)
+        log.warning("%s: mid-stream failure: %s", self.ledger.record.request_id, e.message)
+        if not sink.opened:  # no piece went out (the deltas showed no text): a plain error
+            raise e
+        await sink.end(b"".join([*pending, error_event(e), DONE]))
+
+    async def _cut(self, sink: EventSink | None) -> None:
         """The request ran past its cap (its reply closed): its node slot is given back and
-        its record committed, before anything more is written to its client (whose last
-        write has only the write deadline)."""
+        its record committed before anything more is written to its client (whose last write
+        has only the write deadline); then a stream ends with the error event, and a whole
+        answer or a stream that sent nothing yet raises it (a 504)."""
         if self.ended is not None:
             self.ended()
         acc = self.reply.accounting
@@ -305,6 +304,11 @@ class Relay:
             self.sent.total,
         )
         await self.ledger.commit(UsageStatus.REQUEST_TIMEOUT, acc, self.sent)
+        err = timed_out(self.cap_s)
+        if sink is None or not sink.opened:  # nothing went out: a plain error
+            raise err
+        # (a write the cap cut had its chunk buffered whole: only the wait for it is cut)
+        await sink.end(error_event(err) + DONE)
 
     async def _end(
         self, sink: EventSink, headers: dict[str, str], tail: list[bytes], include_usage: bool
