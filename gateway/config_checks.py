@@ -308,6 +308,11 @@ def check_server(server: ServerConfig) -> None:
         raise ConfigError(
             f"[server] write_timeout_s must be a number of seconds in [0, 86400], got {wt!r}"
         )
+    rt = server.request_timeout_s
+    if not isinstance(rt, int | float) or isinstance(rt, bool) or not 0 <= rt <= 86_400:
+        raise ConfigError(
+            f"[server] request_timeout_s must be a number of seconds in [0, 86400], got {rt!r}"
+        )
     gt, gn = server.guide_compile_timeout_s, server.guide_compile_threads
     if not isinstance(gt, int | float) or isinstance(gt, bool) or not 0 < gt <= 600:
         raise ConfigError(

@@ -129,6 +129,12 @@ class ServerConfig:
     body_min_rate_bytes_s: int = 4096
     #: a stream whose client takes nothing this long is closed as a disconnect (relay.py; 0: off)
     write_timeout_s: float = 60.0
+    #: a request's whole time, from its arrival to its answer's last token: past it a stream
+    #: ends with a `request_timeout` error event, a whole answer is a 504, the nodes' work is
+    #: aborted and the slots it held are free (gateway/serving/wall_clock.py; 0: no cap). Its
+    #: client cannot hold a tier slot or its team's `max_concurrent` longer, however slowly
+    #: it reads
+    request_timeout_s: float = 600.0
     #: open connections from one client address (IPv6: one /64) at most; more are closed at
     #: once (0: no cap).
     #: Behind a load balancer or proxy every client shares its address: raise this there.

@@ -61,6 +61,9 @@ class UsageStatus(StrEnum):
     ERROR_MIDSTREAM = "error_midstream"
     SHED = "shed"
     CLIENT_DISCONNECTED = "client_disconnected"
+    #: past the gateway's cap on a request's time (`[server] request_timeout_s`): billed as a
+    #: client that left, what was read for it so far
+    REQUEST_TIMEOUT = "request_timeout"
 
 
 class RateLimited(APIError):
@@ -275,12 +278,13 @@ class Ledger:
         r.status = status.value
         served = acc is not None and acc.served
         # A client that leaves once its prompt went out still pays for the prompt: a node or a
-        # provider is computing it (else leaving before the first token would be free compute).
+        # provider is computing it (else leaving before the first token would be free compute);
+        # so does a request cut by the wall-time cap (a trickling client is no free pass either).
         prompt_only = (
             not served
             and acc is not None
             and acc.prompt_sent
-            and status is UsageStatus.CLIENT_DISCONNECTED
+            and status in (UsageStatus.CLIENT_DISCONNECTED, UsageStatus.REQUEST_TIMEOUT)
         )
         if acc is not None:
             r.prompt_tokens = acc.prompt_tokens or r.prompt_tokens
@@ -297,7 +301,9 @@ class Ledger:
             r.migrations, r.leg_tokens = acc.migrations, list(acc.leg_tokens)
             r.model_used = acc.model_used or r.model_used
             r.version = acc.version
-        written = acc.cache_write_tokens if acc is not None else 0
+        # what the nodes wrote to keep (none when nobody served: no node computed the prefix)
+        written = acc.cache_write_tokens if acc is not None and (served or prompt_only) else 0
+        r.cache_write_tokens = written
         # A request no node served (refused by a node, shed, every try failed) costs nothing.
         r.cost_usd = (
             cost_usd(self.model, r.prompt_tokens, r.completion_tokens, r.cached_tokens, written)

@@ -167,8 +167,9 @@ class Tries:
         )
         self.response_id = fmt.id  # the answer's id as the client gets it (gen_ai.response.id)
         ahead = self.serving.config.tiers.stream_read_ahead_bytes
+        cap_s = self.serving.config.server.request_timeout_s
         self.relay = relay = Relay(
-            self.ledger, reply, fmt, node_done if req.stream else None, ahead
+            self.ledger, reply, fmt, node_done if req.stream else None, ahead, cap_s
         )
         traced = self.serving.tracing.enabled  # off: no generator per request (bench's CPU)
         with self._inference(served, self.reply.accounting) if traced else contextlib.nullcontext():

@@ -13,7 +13,11 @@ Invariants (both forms):
   no text yet) or of a whole answer (its client gets none of them). A reply that breaks before
   any piece went out is a plain HTTP error, as one that fails before its first piece;
 - the reply is closed on every way out (`aclose` now, not at GC: the backend aborts its work on
-  the nodes there).
+  the nodes there);
+- a request past its wall-time cap (wall_clock.py) stops being relayed: it is committed as
+  `request_timeout` with what was read for it, its reply closed, and a stream ends with a
+  `request_timeout` error event and `[DONE]` (a whole answer, or a stream that sent nothing
+  yet, is a 504); the stream's node slot is given back before that last write.
 
 Chunks whose successor has already arrived (`Piece.more`) are written together, and the SSE
 headers leave with the first chunk: the client wakes once for its first token.
@@ -33,6 +37,7 @@ from gateway.accounts.usage import SentLog
 from gateway.backends.base import MidStreamError, Piece, Reply
 from gateway.serving.openai_format import Formatter, usage
 from gateway.serving.read_ahead import ReadAhead
+from gateway.serving.wall_clock import deadline, timed_out, timer
 from protocol.openai import APIError, CompletionLogprobs, Usage
 from protocol.sse import DONE, SSE_HEADERS, error_event
 from protocol.tools import ToolCallDelta
@@ -153,12 +158,15 @@ class Relay:
         fmt: Formatter,
         ended: Callable[[], None] | None = None,
         read_ahead_bytes: int = 0,
+        cap_s: float = 0.0,
     ) -> None:
         """`ended`: called as soon as a stream's reply has ended, its rest (at most
         `read_ahead_bytes`, read ahead of the client) still being written to its client: what
-        holds the node's admission slot gives it back there."""
+        holds the node's admission slot gives it back there. `cap_s`: the request's wall-time
+        cap (`[server] request_timeout_s`, from its arrival; 0: none)."""
         self.ledger, self.reply, self.fmt = ledger, reply, fmt
         self.ended, self.read_ahead_bytes = ended, read_ahead_bytes
+        self.cap_s, self.deadline = cap_s, deadline(ledger.caller.t0, cap_s)
         self.sent = SentLog()
 
     def _written(self, pieces: list[Piece]) -> None:
@@ -182,22 +190,29 @@ class Relay:
         logprobs: dict[int, list[CompletionLogprobs]] = {}
         calls: dict[int, list[ToolCallDelta]] = {}
         ids: dict[int, list[int]] = {i: [] for i in range(n)}
+        cap = timer(self.deadline)
         try:
-            async for p in reply:
-                texts[p.index].append(p.text)
-                ids[p.index].extend(p.token_ids)
-                if p.reasoning or p.thinking:
-                    self.fmt.reasoned(p)
-                if p.logprobs is not None:
-                    logprobs.setdefault(p.index, []).append(p.logprobs)
-                if p.tool_calls:
-                    calls.setdefault(p.index, []).extend(p.tool_calls)
-                if p.finish_reason:
-                    finish[p.index] = self.sent.finish_reasons[p.index] = p.finish_reason
+            async with cap:
+                async for p in reply:
+                    texts[p.index].append(p.text)
+                    ids[p.index].extend(p.token_ids)
+                    if p.reasoning or p.thinking:
+                        self.fmt.reasoned(p)
+                    if p.logprobs is not None:
+                        logprobs.setdefault(p.index, []).append(p.logprobs)
+                    if p.tool_calls:
+                        calls.setdefault(p.index, []).extend(p.tool_calls)
+                    if p.finish_reason:
+                        finish[p.index] = self.sent.finish_reasons[p.index] = p.finish_reason
         except MidStreamError as e:
             # nothing was sent: a 502 carries none of the tokens
             await ledger.commit(UsageStatus.ERROR_MIDSTREAM, reply.accounting, self.sent)
             raise broke_off(e) from None
+        except TimeoutError:
+            if not cap.expired():
+                raise
+            await reply.aclose()  # the nodes stop before the record is written
+            await self._cut(None)
         finally:
             await reply.aclose()
         await ledger.commit(UsageStatus.OK, reply.accounting)
@@ -211,55 +226,89 @@ class Relay:
         held: list[Piece] = []  # finishing chunks wait for the usage record's commit
         pending: list[bytes] = []  # chunks whose successor has already arrived: one write
         unsent: list[Piece] = []  # the pieces of `pending`, counted sent once written
-        # read ahead of a slow client (bounded), from the first write that could wait for it:
-        # the node's slot is free once the node is done. A client that keeps up needs none (no
-        # task, no hand-off per piece).
+        # read ahead of a slow client (bounded) from the first write that could wait for it, so
+        # the node's slot is free once the node is done; a client that keeps up needs none
         ended = self.ended if self.read_ahead_bytes > 0 else None
         pieces: ReadAhead | None = None
         source: AsyncIterator[Piece] = aiter(reply)
+        cap = timer(self.deadline)  # the pieces only: a committed answer's end is not cut
         try:
-            while True:
-                async for p in source:
-                    if not sink.opened:
-                        await sink.open(headers)
-                    if p.finish_reason:
-                        self.sent.finish_reasons[p.index] = p.finish_reason
-                        held.append(p)
-                        continue
-                    pending.append(fmt.chunk(p))
-                    unsent.append(p)
-                    if p.more:
-                        continue
-                    data = pending[0] if len(pending) == 1 else b"".join(pending)
-                    if ended is not None and pieces is None and sink.could_wait(len(data)):
-                        break  # read the rest ahead before this write waits for the client
+            async with cap:
+                while True:
+                    async for p in source:
+                        if not sink.opened:
+                            await sink.open(headers)
+                        if p.finish_reason:
+                            self.sent.finish_reasons[p.index] = p.finish_reason
+                            held.append(p)
+                            continue
+                        pending.append(fmt.chunk(p))
+                        unsent.append(p)
+                        if p.more:
+                            continue
+                        data = pending[0] if len(pending) == 1 else b"".join(pending)
+                        if ended is not None and pieces is None and sink.could_wait(len(data)):
+                            break  # read the rest ahead before this write waits for the client
+                        await sink.write(data)
+                        pending.clear()
+                        self._written(unsent)
+                    else:
+                        break  # the reply has ended
+                    assert ended is not None
+                    pieces = ReadAhead(source, ended, self.read_ahead_bytes)
+                    source = pieces
                     await sink.write(data)
                     pending.clear()
                     self._written(unsent)
-                else:
-                    break  # the reply has ended
-                assert ended is not None
-                pieces = ReadAhead(source, ended, self.read_ahead_bytes)
-                source = pieces
-                await sink.write(data)
-                pending.clear()
-                self._written(unsent)
             if ended is not None and pieces is None:
                 ended()  # the reply ended with the client keeping up: no reading ahead to do it
+        except TimeoutError:
+            await _close(reply, pieces)
+            if not cap.expired():
+                raise
+            await self._cut(sink)
+            return
         except MidStreamError as e:
             await _close(reply, pieces)
             self._written(unsent)  # they leave with the error event, in the same send
-            await ledger.commit(UsageStatus.ERROR_MIDSTREAM, reply.accounting, self.sent)
-            log.warning("%s: mid-stream failure: %s", ledger.record.request_id, e.message)
-            if not sink.opened:  # no piece went out (the deltas showed no text): a plain error
-                raise
-            await sink.end(b"".join([*pending, error_event(e), DONE]))
+            await self._broke_off(sink, e, pending)
             return
         except BaseException:
             await _close(reply, pieces)
             raise
         await ledger.commit(UsageStatus.OK, reply.accounting)
         await self._end(sink, headers, [*pending, *(fmt.chunk(p) for p in held)], include_usage)
+
+    async def _broke_off(self, sink: EventSink, e: MidStreamError, pending: list[bytes]) -> None:
+        """A stream whose reply broke off (closed; `pending`: its chunks not written yet):
+        committed as such, then ended with the error event (raised: no piece went out yet)."""
+        await self.ledger.commit(UsageStatus.ERROR_MIDSTREAM, self.reply.accounting, self.sent)
+        log.warning("%s: mid-stream failure: %s", self.ledger.record.request_id, e.message)
+        if not sink.opened:  # no piece went out (the deltas showed no text): a plain error
+            raise e
+        await sink.end(b"".join([*pending, error_event(e), DONE]))
+
+    async def _cut(self, sink: EventSink | None) -> None:
+        """The request ran past its cap (its reply closed): its node slot is given back and
+        its record committed before anything more is written to its client (whose last write
+        has only the write deadline); then a stream ends with the error event, and a whole
+        answer or a stream that sent nothing yet raises it (a 504)."""
+        if self.ended is not None:
+            self.ended()
+        acc = self.reply.accounting
+        log.info(
+            "%s: past the request's cap of %g s: ended (%d completion tokens made, %d sent)",
+            self.ledger.record.request_id,
+            self.cap_s,
+            acc.total_completion_tokens,
+            self.sent.total,
+        )
+        await self.ledger.commit(UsageStatus.REQUEST_TIMEOUT, acc, self.sent)
+        err = timed_out(self.cap_s)
+        if sink is None or not sink.opened:  # nothing went out: a plain error
+            raise err
+        # (a write the cap cut had its chunk buffered whole: only the wait for it is cut)
+        await sink.end(error_event(err) + DONE)
 
     async def _end(
         self, sink: EventSink, headers: dict[str, str], tail: list[bytes], include_usage: bool

@@ -3,7 +3,8 @@ real `duet gateway` and a real node (the tiny Llama): the first call writes the 
 (`cache_creation_input_tokens`, billed at the cache write price) and the node retains its
 blocks; the second call with the same prefix reads it (`cache_read_input_tokens`, billed at the
 cache read price); another team's identical prompt reads nothing (cache domains hold). The
-OpenAI-shaped chat usage says the same counts (`prompt_tokens_details`)."""
+OpenAI-shaped chat usage says the same counts (`prompt_tokens_details`), and the usage record
+and the team's `/v1/usage` totals keep the cache writes (`cache_write_tokens`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import openai
 import pytest
 
 from tests.gateway.conftest import COMMON
-from tests.gateway.helpers import gateway_proc, make_team, metric, tiny_model
+from tests.gateway.helpers import gateway_proc, http, make_team, metric, tiny_model
 from tests.gateway.test_providers_e2e import record
 from tests.procs import Proc, duet_node, running
 
@@ -90,9 +91,17 @@ def test_the_second_call_reads_the_cache_and_is_billed_at_the_read_price(env: En
         r = record(env, rid)
         prompt = u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens
         assert (r["prompt_tokens"], r["cached_tokens"]) == (prompt, u.cache_read_input_tokens)
+        # the record keeps the cache writes the client was told of (operators total them)
+        assert r["cache_write_tokens"] == u.cache_creation_input_tokens, r
         assert r["cost_usd"] == pytest.approx(billed(u), rel=1e-9)
     # the read is cheaper than the write of the same prefix
     assert record(env, rid2)["cost_usd"] < record(env, rid1)["cost_usd"]
+    # and the team's /v1/usage totals carry its cache writes beside its reads
+    status, _, page = http(f"{env.gw.url}/v1/usage?start=0", key=env.keys["alpha"])
+    assert status == 200, page
+    [total] = page["data"]
+    assert total["cache_write_tokens"] >= u1.cache_creation_input_tokens, total
+    assert total["cached_tokens"] >= u2.cache_read_input_tokens, total
 
 
 def test_a_stream_and_the_chat_endpoint_say_the_same_counts(env: Env) -> None:

@@ -262,18 +262,20 @@ async def test_old_sqlite_file_gains_the_user_column(tmp_path: Path) -> None:
     await asyncio.gather(a.open(), b.open())
     await b.close()
     with sqlite3.connect(path) as db:
-        assert [r[1] for r in db.execute("PRAGMA table_info(usage)")][-6:] == [
+        assert [r[1] for r in db.execute("PRAGMA table_info(usage)")][-7:] == [
             "user",
             "migrations",
             "leg_tokens",
             "queue_s",
             "adapter",
             "version",
+            "cache_write_tokens",
         ]
     [old] = await a.usage_records(None, 0, 1e12)
     assert (old.request_id, old.user, old.nodes, old.prompt_tokens) == ("old-1", None, ["n1"], 3)
     assert (old.migrations, old.leg_tokens) == (0, [])  # a record from before stream migration
     assert old.queue_s is None  # and from before the admission wait was recorded
+    assert old.cache_write_tokens == 0  # and from before cache writes were
     await a.create_team(Team(id="t"))
     await _settled(a, "t", 5, 0.25, "alice", "new-1")
     assert [(r["user"], r["requests"]) for r in await a.usage("t", 0, 1e12, "user")] == [
@@ -293,7 +295,7 @@ async def test_old_postgres_database_gains_the_user_column(postgres_db: str) -> 
     await s.close()
     con = await asyncpg.connect(postgres_db)
     try:  # back to the schema versions before the `user` column created, with one old row
-        for column in ('"user"', "migrations", "leg_tokens", "queue_s"):
+        for column in ('"user"', "migrations", "leg_tokens", "queue_s", "cache_write_tokens"):
             await con.execute(f"ALTER TABLE usage DROP COLUMN {column}")
         await con.execute("ALTER TABLE reservations DROP COLUMN streamed_tokens")
         await con.execute(
@@ -311,7 +313,7 @@ async def test_old_postgres_database_gains_the_user_column(postgres_db: str) -> 
             0,
             [],
         )
-        assert old.queue_s is None
+        assert old.queue_s is None and old.cache_write_tokens == 0
         await s.create_team(Team(id="t"))
         await _settled(s, "t", 5, 0.25, "alice", "new-1")
         assert [r.user for r in await s.usage_records("t", 0, 1e12)] == [None, "alice"]

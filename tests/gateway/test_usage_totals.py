@@ -1,7 +1,8 @@
 """`Store.usage`'s totals per group, computed by the database
-(gateway/accounts/store/usage_totals.py), on SQLite and PostgreSQL: requests, tokens, cost and the
-TTFT P50/P90 of every group — day, team, model, tier, user and none — equal a reference computed
-here from the same records, and both databases answer alike. The console's Usage page and
+(gateway/accounts/store/usage_totals.py), on SQLite and PostgreSQL: requests, tokens (cache
+reads and writes too), cost and the TTFT P50/P90 of every group — day, team, model, tier, user
+and none — equal a reference computed here from the same records, and both databases answer
+alike. The console's Usage page and
 `duet usage report` show these rows."""
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def synthetic(n: int, seed: int = 7) -> list[UsageRecord]:
                 latency_s=rnd.choice((1.0, 2.5, rnd.uniform(0.05, 5))),
                 created_at=DAY0 + rnd.uniform(0, 3 * 86400),
                 user=rnd.choice(USERS),
+                cache_write_tokens=rnd.choice((0, 16, 48)),
             )
         )
     return out
@@ -107,6 +109,7 @@ def reference(
                 "prompt_tokens": p,
                 "completion_tokens": c,
                 "cached_tokens": sum(r.cached_tokens for r in rs),
+                "cache_write_tokens": sum(r.cache_write_tokens for r in rs),
                 "total_tokens": p + c,
                 "cost_usd": round(sum(r.cost_usd for r in rs), 10),
                 "ttft_p50_s": nearest_rank(ttfts, 5),

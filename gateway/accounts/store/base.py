@@ -89,6 +89,7 @@ USAGE_COLS = (
     "queue_s",
     "adapter",
     "version",
+    "cache_write_tokens",
 )
 
 
@@ -225,6 +226,11 @@ class UsageRecord:
     #: the version of the model that served it (None: the model has no versions, or no node
     #: was reached; gateway/config_versions.py)
     version: str | None = None
+    #: prompt tokens this request computed and wrote to the prefix cache to keep: the prefix
+    #: its `cache_control` marks, in whole KV blocks, less what it read from the cache
+    #: (Anthropic's `cache_creation_input_tokens`, billed at the cache write price; 0 in a
+    #: record an older version wrote)
+    cache_write_tokens: int = 0
 
 
 @dataclass(frozen=True)

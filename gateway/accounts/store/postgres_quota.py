@@ -89,6 +89,7 @@ ADDED_COLUMNS = [
     ("usage", "queue_s", "DOUBLE PRECISION"),
     ("usage", "adapter", "TEXT"),
     ("usage", "version", "TEXT"),
+    ("usage", "cache_write_tokens", "BIGINT"),
     ("teams", "weight", "DOUBLE PRECISION"),
 ]
 

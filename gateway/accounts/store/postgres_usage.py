@@ -34,6 +34,7 @@ def usage_record_of(r: Any) -> UsageRecord:
             "nodes": json.loads(r["nodes"]),
             "migrations": r["migrations"] or 0,
             "leg_tokens": json.loads(r["leg_tokens"] or "[]"),
+            "cache_write_tokens": r["cache_write_tokens"] or 0,  # NULL: from before the column
         }
     )
 

@@ -63,6 +63,7 @@ ADDED_COLUMNS = [
     ("usage", "queue_s", "REAL"),
     ("usage", "adapter", "TEXT"),
     ("usage", "version", "TEXT"),
+    ("usage", "cache_write_tokens", "INTEGER"),
     ("teams", "weight", "REAL"),
 ]
 

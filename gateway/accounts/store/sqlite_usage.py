@@ -37,6 +37,7 @@ def record_of(row: tuple[Any, ...]) -> UsageRecord:
     d["nodes"] = json.loads(d["nodes"])
     d["migrations"] = d["migrations"] or 0  # NULL: a record from before stream migration
     d["leg_tokens"] = json.loads(d["leg_tokens"] or "[]")
+    d["cache_write_tokens"] = d["cache_write_tokens"] or 0  # NULL: from before the column
     return UsageRecord(**d)
 
 

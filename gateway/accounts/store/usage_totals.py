@@ -2,10 +2,11 @@
 both stores run, so SQLite and PostgreSQL give the same rows and no caller reads a range's
 records to add them up (the console's Usage page and `duet usage report` share these rows).
 
-A row holds the group's requests, tokens and cost, and its time to first token at the 50th and
-90th percentile. The percentile is the nearest rank: of the group's n TTFTs in order, the one at
-rank min(n, floor(q·n) + 1), 1-based — computed with integer arithmetic (n·5/10, n·9/10) so both
-databases pick the same record; None when no request of the group had a first token.
+A row holds the group's requests, tokens (prompt, completion, cache reads and writes) and
+cost, and its time to first token at the 50th and 90th percentile. The percentile is the
+nearest rank: of the group's n TTFTs in order, the one at rank min(n, floor(q·n) + 1), 1-based —
+computed with integer arithmetic (n·5/10, n·9/10) so both databases pick the same record; None
+when no request of the group had a first token.
 
 Invariant: the statement's result has one row per group (one row in all without a group), so
 what the caller receives is bounded by the number of groups, never by the number of records.
@@ -64,13 +65,14 @@ def totals_sql(keys: list[tuple[str, str]], where: str, least: str, nulls_first:
         "coalesce(sum(prompt_tokens), 0) AS p",
         "coalesce(sum(completion_tokens), 0) AS c",
         "coalesce(sum(cached_tokens), 0) AS k",
+        "coalesce(sum(cache_write_tokens), 0) AS w",
         "coalesce(sum(cost_usd), 0) AS cost",
         *pct,
     ]
     sql = (
         f"SELECT {', '.join(outer)} FROM (SELECT "
-        f"{', '.join([*inner, 'prompt_tokens', 'completion_tokens'])}, cached_tokens, cost_usd, "
-        f"ttft_s, {window} FROM usage WHERE {where}) AS u"
+        f"{', '.join([*inner, 'prompt_tokens', 'completion_tokens'])}, cached_tokens, "
+        f"cache_write_tokens, cost_usd, ttft_s, {window} FROM usage WHERE {where}) AS u"
     )
     if groups:
         sql += (
@@ -82,14 +84,15 @@ def totals_sql(keys: list[tuple[str, str]], where: str, least: str, nulls_first:
 def totals_row(names: list[str], row: Any) -> dict[str, Any]:
     """A result row (a tuple, or a record indexable by position) as the API's usage row."""
     d: dict[str, Any] = {name: row[i] for i, name in enumerate(names)}
-    n, p, c, cached, cost, *pcts = (
-        row[i] for i in range(len(names), len(names) + 5 + len(PERCENTILES))
+    n, p, c, cached, written, cost, *pcts = (
+        row[i] for i in range(len(names), len(names) + 6 + len(PERCENTILES))
     )
     d.update(
         requests=n,
         prompt_tokens=int(p),
         completion_tokens=int(c),
         cached_tokens=int(cached),
+        cache_write_tokens=int(written),
         total_tokens=int(p + c),
         cost_usd=round(float(cost), 10),
     )
