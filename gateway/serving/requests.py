@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -242,11 +242,7 @@ def parse_completion(raw: bytes) -> Request:
         body.stream_options = None
     if body.logprobs is not None:
         check_top("logprobs", body.logprobs)
-    # CompletionRequest defaults n to 1: read what the client sent
-    n = data.get("n")
-    if n is not None and not _is_token(n):
-        raise APIError(400, "n must be an integer", param="n")
-    sampling, n = sampling_of(body, max_tokens, body.logprobs, n=n)
+    sampling, n = sampling_of(body, max_tokens, body.logprobs, n=_sent_n(data))
     rf = (
         raw_body.convert({"response_format": data["response_format"]}, _Format).response_format
         if data.get("response_format") is not None
@@ -280,6 +276,14 @@ class _Format(msgspec.Struct):
     """response_format on the completions form (vLLM's extension; OpenAI's chat field)."""
 
     response_format: ResponseFormat
+
+
+def _sent_n(data: Mapping[str, object]) -> int | None:
+    """`n` as the client sent it (CompletionRequest defaults it to 1)."""
+    n = data.get("n")
+    if n is not None and not _is_token(n):
+        raise APIError(400, "n must be an integer", param="n")
+    return cast(int | None, n)
 
 
 def flag(data: Mapping[str, object], name: str) -> bool:
