@@ -36,6 +36,10 @@ import torch.nn.functional as F
 
 from engine import kv_quant
 
+#: an int8 pool's prefill chunks after a cached prefix attend on the kernel (False: on SDPA, the
+#: path bench.kv_int8_prefix times the kernel against)
+INT8_PREFIX_ON_KERNEL = True
+
 
 @dataclass
 class PrefillChunk:
@@ -231,7 +235,7 @@ def paged_attention(
         out[: md.num_decode] = _decode_torch(q, cache, md)
     int8 = kv_quant.is_quantized(kv_cache)
     for p in md.prefills:
-        if lib is not None and int8 and p.start_pos > 0:
+        if lib is not None and int8 and p.start_pos > 0 and INT8_PREFIX_ON_KERNEL:
             # its whole context comes back from the int8 pool either way: the kernel reads the
             # rows in place, SDPA would gather and dequantize them once per layer
             lib.paged_attention(
