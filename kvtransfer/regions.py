@@ -51,6 +51,16 @@ class ReadPlan(NamedTuple):
     def nbytes(self) -> int:
         return len(self.local_ids) * self.block_bytes
 
+    def part(self, start: int, stop: int | None = None) -> ReadPlan:
+        """The read of blocks `start:stop` of this one (in request order)."""
+        remote, local = self.remote_ids[start:stop], self.local_ids[start:stop]
+        return ReadPlan(remote, local, self.block_bytes, coalesce(remote, local))
+
+    def chunks(self, max_blocks: int) -> list[ReadPlan]:
+        """The same read as consecutive plans of at most `max_blocks` blocks, in order."""
+        step = max(1, max_blocks)
+        return [self.part(s, s + step) for s in range(0, self.num_blocks, step)]
+
 
 def _check_ids(ids: Sequence[int], num_blocks: int, side: str) -> tuple[int, ...]:
     out = []

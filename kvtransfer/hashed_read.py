@@ -1,0 +1,109 @@
+"""Reads whose blocks are hashed as they land: the digest check off the read's critical path.
+
+A reader must check the blocks it read against the sender's content digests before it uses
+them (protocol/kv_digest.py). Hashing them after the read, on the thread that waits for the
+read, costs one more pass over every byte: on one host, where the read is itself a CPU copy,
+about half of the read's time again, and on the engine's thread it delays every running
+request's step. `read_hashed` asks the transport to report blocks as their bytes land
+(`Transport.read(landed=...)`: per chunk of a NIXL read, per run of a tcp stream) and hashes
+each chunk on a worker thread while the next one moves, so the caller waits only for the last
+chunk's hash, of bytes still in the CPU's cache. It returns the hash state of every block's
+bytes (`hash_bytes`), which the engine binds to the chain hashes it derives itself and compares
+with the sender's digests (engine/kv_moves.py `verify`): what is checked is unchanged, only
+where and when the bytes are hashed.
+
+Invariants: a block is hashed only after the transport reported its bytes final, and nothing
+writes it afterwards (its request waits for its KV; the engine never hands the block out
+meanwhile), so its state is the hash of the bytes the engine will use. A failed read raises the
+transport's own error (its `settled` included) once every hash already started is over, so no
+worker reads a block after the caller got its answer. A device pool has no host view to hash:
+the read is plain and no state is returned (the engine then hashes the blocks itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Sequence
+
+from kvtransfer.base import Peer, Transport
+from protocol.kv_digest import BytesHash, hash_bytes
+
+#: Bytes hashed per job: a smaller job leaves less to hash once the last block landed (the
+#: caller's wait), a larger one costs fewer thread hand-offs (python -m bench.kvtransfer).
+HASH_JOB_BYTES = 2 * 1024 * 1024
+
+# One thread for every reader of the process: one pass over the bytes, on one core beside the
+# copy, whatever the number of reads at once.
+_HASHER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-digest")
+
+
+def _hash_blocks(view: memoryview, block_bytes: int, ids: Sequence[int]) -> list[BytesHash]:
+    return [hash_bytes(view[b * block_bytes : (b + 1) * block_bytes]) for b in ids]
+
+
+class _Hashing:
+    """The `landed` callback: gathers landed blocks into jobs for the hashing thread. Called
+    from the loop or from a transport's posting thread, one call at a time."""
+
+    def __init__(self, view: memoryview, block_bytes: int, job_bytes: int) -> None:
+        self.view, self.block_bytes = view, block_bytes
+        self.per_job = max(1, job_bytes // block_bytes)
+        self.pending: list[int] = []
+        self.jobs: list[tuple[list[int], concurrent.futures.Future[list[BytesHash]]]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, ids: Sequence[int]) -> None:
+        with self._lock:
+            self.pending.extend(ids)
+            if len(self.pending) >= self.per_job:
+                self._submit()
+
+    def _submit(self) -> None:
+        ids, self.pending = self.pending, []
+        if ids:
+            self.jobs.append((ids, _HASHER.submit(_hash_blocks, self.view, self.block_bytes, ids)))
+
+    def flush(self) -> list[concurrent.futures.Future[list[BytesHash]]]:
+        with self._lock:
+            self._submit()
+            return [f for _, f in self.jobs]
+
+
+async def read_hashed(
+    transport: Transport,
+    peer: Peer | str,
+    remote_block_ids: Sequence[int],
+    local_block_ids: Sequence[int],
+    *,
+    timeout: float | None = None,
+    job_bytes: int = HASH_JOB_BYTES,
+) -> dict[int, BytesHash]:
+    """`transport.read` of the same blocks (same errors and timeout), and the hash state of
+    each local block's bytes as read, by local block id ({} for a device pool)."""
+    pool = transport.pool
+    if pool.is_cuda:
+        await transport.read(peer, remote_block_ids, local_block_ids, timeout=timeout)
+        return {}
+    hashing = _Hashing(pool.host_view(), pool.layout.block_bytes, job_bytes)
+    try:
+        await transport.read(
+            peer, remote_block_ids, local_block_ids, timeout=timeout, landed=hashing
+        )
+    except BaseException:
+        # The hashing thread reads the blocks: let it finish before the caller may free them.
+        jobs = [asyncio.wrap_future(f) for f in hashing.flush()]
+        await asyncio.shield(asyncio.gather(*jobs, return_exceptions=True))
+        raise
+    hashing.flush()
+    out: dict[int, BytesHash] = {}
+    for ids, job in hashing.jobs:
+        # A job the hashing thread has not started is done here: on a busy host that thread
+        # may wait milliseconds for a core, and this one is running now.
+        if job.cancel():
+            states = _hash_blocks(hashing.view, hashing.block_bytes, ids)
+        else:
+            states = await asyncio.wrap_future(job)
+        out.update(zip(ids, states, strict=True))
+    return out
