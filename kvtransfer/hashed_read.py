@@ -30,9 +30,10 @@ from collections.abc import Sequence
 from kvtransfer.base import Peer, Transport
 from protocol.kv_digest import BytesHash, hash_bytes
 
-#: Bytes hashed per job: a smaller job leaves less to hash once the last block landed (the
-#: caller's wait), a larger one costs fewer thread hand-offs (python -m bench.kvtransfer).
-HASH_JOB_BYTES = 2 * 1024 * 1024
+#: Fewest bytes per hashing job: landed blocks are gathered up to this before a job starts (a tcp
+#: read reports every run of blocks, often one block); NIXL's chunks are at least as large
+#: (LANDED_TAIL_BYTES), so each is one job, and the last job is small: the caller's wait.
+HASH_JOB_BYTES = 256 * 1024
 
 # One thread for every reader of the process: one pass over the bytes, on one core beside the
 # copy, whatever the number of reads at once.
@@ -47,8 +48,8 @@ class _Hashing:
     """The `landed` callback: gathers landed blocks into jobs for the hashing thread. Called
     from the loop or from a transport's posting thread, one call at a time."""
 
-    def __init__(self, view: memoryview, block_bytes: int, job_bytes: int) -> None:
-        self.view, self.block_bytes = view, block_bytes
+    def __init__(self, view: memoryview, block_bytes: int, job_bytes: int, worker: bool) -> None:
+        self.view, self.block_bytes, self.worker = view, block_bytes, worker
         self.per_job = max(1, job_bytes // block_bytes)
         self.pending: list[int] = []
         self.jobs: list[tuple[list[int], concurrent.futures.Future[list[BytesHash]]]] = []
@@ -62,8 +63,12 @@ class _Hashing:
 
     def _submit(self) -> None:
         ids, self.pending = self.pending, []
-        if ids:
+        if ids and self.worker:
             self.jobs.append((ids, _HASHER.submit(_hash_blocks, self.view, self.block_bytes, ids)))
+        elif ids:
+            done: concurrent.futures.Future[list[BytesHash]] = concurrent.futures.Future()
+            done.set_result(_hash_blocks(self.view, self.block_bytes, ids))
+            self.jobs.append((ids, done))
 
     def flush(self) -> list[concurrent.futures.Future[list[BytesHash]]]:
         with self._lock:
@@ -79,6 +84,7 @@ async def read_hashed(
     *,
     timeout: float | None = None,
     job_bytes: int = HASH_JOB_BYTES,
+    worker: bool = True,
 ) -> dict[int, BytesHash]:
     """`transport.read` of the same blocks (same errors and timeout), and the hash state of
     each local block's bytes as read, by local block id ({} for a device pool)."""
@@ -86,7 +92,7 @@ async def read_hashed(
     if pool.is_cuda:
         await transport.read(peer, remote_block_ids, local_block_ids, timeout=timeout)
         return {}
-    hashing = _Hashing(pool.host_view(), pool.layout.block_bytes, job_bytes)
+    hashing = _Hashing(pool.host_view(), pool.layout.block_bytes, job_bytes, worker)
     try:
         await transport.read(
             peer, remote_block_ids, local_block_ids, timeout=timeout, landed=hashing
@@ -98,12 +104,16 @@ async def read_hashed(
         raise
     hashing.flush()
     out: dict[int, BytesHash] = {}
-    for ids, job in hashing.jobs:
-        # A job the hashing thread has not started is done here: on a busy host that thread
-        # may wait milliseconds for a core, and this one is running now.
+    started = []
+    for ids, job in reversed(hashing.jobs):
+        # A job the hashing thread has not started is done here, from the last one back (the
+        # thread takes them from the first): on a busy host that thread may wait milliseconds
+        # for a core, and this one is running now.
         if job.cancel():
-            states = _hash_blocks(hashing.view, hashing.block_bytes, ids)
+            out.update(zip(ids, _hash_blocks(hashing.view, hashing.block_bytes, ids), strict=True))
         else:
-            states = await asyncio.wrap_future(job)
+            started.append((ids, job))
+    for ids, job in started:
+        states: list[BytesHash] = await asyncio.wrap_future(job)
         out.update(zip(ids, states, strict=True))
     return out

@@ -21,8 +21,9 @@ serialised by one lock (the agent runs in NIXL's no-locking mode); small calls r
 loop, a large `transfer()` — which on one host performs the whole kernel copy (UCX `cma`) before
 returning, with the GIL released — runs on a dedicated thread so the loop keeps serving.
 A read whose caller asks to hear of blocks as they land (`landed`) is posted as a sequence of
-transfers of `LANDED_CHUNK_BYTES` under one hold of the lock, each chunk reported once its
-transfer is done, so the caller hashes one chunk while the next is copied.
+transfers under one hold of the lock, each as large as all those after it down to
+`LANDED_TAIL_BYTES`, each reported once its transfer is done: the caller hashes one chunk while
+the next, half as large, is copied, and what is left to hash after the last copy is small.
 
 Between hosts, UCX needs no progress from the owner for RDMA READs; when only TCP links
 the hosts, UCX emulates READ with messages the owner must answer: enable
@@ -60,10 +61,12 @@ T = TypeVar("T")
 #: ones on the agent thread. bench/kvtransfer.py --sweep-ucx: a thread hop cost ~0.2 ms on
 #: a loaded 2-core host, 5x a 1-block (360 KiB) copy, and nothing measurable at 256 blocks.
 DEFAULT_INLINE_MAX_BYTES = 8 * 1024 * 1024
-#: A read whose caller wants blocks reported as they land is posted in transfers of about this
-#: many bytes (python -m bench.kvtransfer): on one host each is copied when posted, so the caller
-#: works on a chunk, still in the CPU's cache, while the next is copied; a post costs ~10 us.
-LANDED_CHUNK_BYTES = 2 * 1024 * 1024
+#: A read whose caller wants blocks reported as they land is posted in tapering transfers
+#: (`ReadPlan.tapering`) whose last one is about this large: on one host each is copied when
+#: posted, so the caller hashes a chunk while the next is copied, and only the last one is
+#: left to hash once the read is over; a post costs tens of microseconds, so a read of n blocks
+#: takes about log2(n) of them (python -m bench.kvtransfer).
+LANDED_TAIL_BYTES = 256 * 1024
 #: after any activity, how long the notification poller keeps its short interval
 BUSY_WINDOW_S = 1.0
 #: how long a timed-out read waits for its posting thread to stop writing local blocks
@@ -333,7 +336,7 @@ class NixlTransport(Transport):
     def _post_landing(
         self, peer: NixlPeer, plan: ReadPlan, landed: Landed | None, chunked: bool
     ) -> tuple[Any, str, ReadPlan, ReadPlan | None]:
-        """Post `plan`; with `landed` and `chunked`, in chunks of `LANDED_CHUNK_BYTES`,
+        """Post `plan`; with `landed` and `chunked`, in tapering chunks (`LANDED_TAIL_BYTES`),
         reporting each chunk that its post completed (one host: `transfer` is the copy) and
         going on with the next.
         Returns the handle and state of the last transfer posted, the part of `plan` it moves
@@ -342,7 +345,7 @@ class NixlTransport(Transport):
         chunking gains nothing there, so the caller posts the rest whole)."""
         if landed is None or not chunked:
             return (*self._post(peer, plan, b""), plan, None)
-        chunks = plan.chunks(max(1, LANDED_CHUNK_BYTES // plan.block_bytes))
+        chunks = plan.tapering(LANDED_TAIL_BYTES // plan.block_bytes)
         for i, chunk in enumerate(chunks):
             handle, state = self._post(peer, chunk, b"")
             if state != "DONE" or i == len(chunks) - 1:

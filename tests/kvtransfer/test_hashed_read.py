@@ -30,15 +30,13 @@ from tests.kvtransfer.test_transfer import (  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.timeout(120)
 
-#: chunks of 16 test blocks (256 KiB), so a read of 100 blocks lands in several
+#: a last chunk of 16 test blocks (256 KiB): a read of 100 blocks lands in 4 (36, 32, 16, 16)
 CHUNK_BLOCKS = 16
 
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(
-        nixl_transport, "LANDED_CHUNK_BYTES", CHUNK_BLOCKS * TEST_LAYOUT.block_bytes
-    )
+    monkeypatch.setattr(nixl_transport, "LANDED_TAIL_BYTES", CHUNK_BLOCKS * TEST_LAYOUT.block_bytes)
 
 
 def scattered(n: int, seed: int) -> tuple[list[int], list[int]]:
