@@ -13,7 +13,7 @@ import pytest
 
 import kvtransfer.nixl_transport as nixl_transport
 from kvtransfer import Transport
-from kvtransfer.hashed_read import read_hashed
+from kvtransfer.hashed_read import HASH_JOB_BYTES, read_hashed
 from protocol.kv_digest import block_digest, finish_digest
 from tests.kvtransfer.pools import TEST_LAYOUT, HostPool, assert_blocks, block_words
 from tests.kvtransfer.procs import PeerProcess
@@ -76,13 +76,17 @@ async def test_hash_states_are_those_of_the_bytes_read(
     owner: PeerProcess,  # noqa: F811
     http: object,  # noqa: F811
 ) -> None:
-    remote, local = scattered(100, 2)
     peer = await connect(reader, http, owner)  # type: ignore[arg-type]
-    states = await read_hashed(reader, peer, remote, local, timeout=20, job_bytes=1)
-    assert sorted(states) == sorted(local)
-    for i, (r, b) in enumerate(zip(remote, local, strict=True)):
-        sent = block_digest(block_words(TEST_LAYOUT, P_SEED, r).tobytes(), i, 7)
-        assert finish_digest(states[b], i, 7) == sent == block_digest(pool.blocks[b], i, 7)
+    # hashed beside the read (one job per landed block, or the default gathering), and after it
+    for seed, (overlap, job_bytes) in enumerate([(True, 1), (True, HASH_JOB_BYTES), (False, 0)]):
+        remote, local = scattered(100, seed)
+        states = await read_hashed(
+            reader, peer, remote, local, timeout=20, overlap=overlap, job_bytes=job_bytes
+        )
+        assert sorted(states) == sorted(local)
+        for i, (r, b) in enumerate(zip(remote, local, strict=True)):
+            sent = block_digest(block_words(TEST_LAYOUT, P_SEED, r).tobytes(), i, 7)
+            assert finish_digest(states[b], i, 7) == sent == block_digest(pool.blocks[b], i, 7)
 
 
 async def test_a_block_other_than_the_one_digested_fails_its_check(
@@ -101,6 +105,6 @@ async def test_a_block_other_than_the_one_digested_fails_its_check(
             data[100] ^= np.uint8(1)
         sent.append(block_digest(data.tobytes(), i, 7))
     peer = await connect(reader, http, owner)  # type: ignore[arg-type]
-    states = await read_hashed(reader, peer, remote, local, timeout=20)
+    states = await read_hashed(reader, peer, remote, local, timeout=20, overlap=True)
     bad = [i for i, b in enumerate(local) if finish_digest(states[b], i, 7) != sent[i]]
     assert bad == [5]
