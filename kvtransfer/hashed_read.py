@@ -109,7 +109,10 @@ def spare_core() -> bool:
     forced = os.environ.get(OVERLAP_ENV, "").strip()
     if forced in ("0", "1"):
         return forced == "1"
-    return len(os.sched_getaffinity(0)) >= OVERLAP_MIN_CPUS
+    cpus = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
+    return cpus >= OVERLAP_MIN_CPUS
 
 
 async def read_hashed(

@@ -13,7 +13,7 @@ import pytest
 
 import kvtransfer.nixl_transport as nixl_transport
 from kvtransfer import Transport
-from kvtransfer.hashed_read import HASH_JOB_BYTES, read_hashed
+from kvtransfer.hashed_read import HASH_JOB_BYTES, OVERLAP_ENV, read_hashed, spare_core
 from protocol.kv_digest import block_digest, finish_digest
 from tests.kvtransfer.pools import TEST_LAYOUT, HostPool, assert_blocks, block_words
 from tests.kvtransfer.procs import PeerProcess
@@ -108,3 +108,10 @@ async def test_a_block_other_than_the_one_digested_fails_its_check(
     states = await read_hashed(reader, peer, remote, local, timeout=20, overlap=True)
     bad = [i for i, b in enumerate(local) if finish_digest(states[b], i, 7) != sent[i]]
     assert bad == [5]
+
+
+def test_the_overlap_default_can_be_forced_either_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(OVERLAP_ENV, "1")
+    assert spare_core()
+    monkeypatch.setenv(OVERLAP_ENV, "0")
+    assert not spare_core()
