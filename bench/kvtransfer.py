@@ -11,6 +11,12 @@ thread too): the faster of one `copy_` per run of blocks consecutive on both sid
 `index_select` gather + `index_copy_` scatter. Beside it, one contiguous `copy_` of the same
 total size shows what the scattering itself costs. Transfers and copies alternate rep by rep
 so machine noise hits all of them; figures are medians after warmup, with p10/p90. The
+content digests a reader checks (protocol/kv_digest.py) are timed two ways against the plain
+read of each rep: hashed after the read on the reader's thread ("after", how the engine did it
+before), and hashed as the blocks land (kvtransfer/hashed_read.py, what the nodes do now) then
+bound and compared as the engine does, overlapped with the read and once it is over (the
+default where the host has no spare core); the plain read alternates its place rep by rep, and
+each overhead is the median of the reps' paired ratios. The
 1,024-token prompt figure is a 64-block read, both scattered and contiguous. Bytes (of the
 transfer and of every baseline) are checked once per size. Progress goes to stderr; stdout
 gets a table, or one JSON object with --json.
@@ -283,12 +289,29 @@ class _Baselines:
 BASELINES = ("runs_copy", "index_copy", "contiguous_copy")
 
 
-def _digest_blocks(pool: Any, block_ids: list[int]) -> None:
-    """What a reader does with the blocks it read before using them: digest each one."""
+def _digest_blocks(pool: Any, block_ids: list[int]) -> list[int]:
+    """A check of the blocks read after the read, on the reader's thread: digest each one."""
     from protocol.kv_digest import block_digest
 
-    for b in block_ids:
-        block_digest(memoryview(pool[b].numpy()).cast("B"), b, 0)
+    return [block_digest(memoryview(pool[b].numpy()).cast("B"), b, 0) for b in block_ids]
+
+
+async def _landed_read(
+    transport: Any, peer: Any, remote_ids: list[int], local_ids: list[int], overlap: bool
+) -> tuple[list[int], float]:
+    """The nodes' read: blocks hashed as they land, then bound as the engine binds them (on the
+    engine's thread: that time is returned too)."""
+    from kvtransfer.hashed_read import read_hashed
+    from protocol.kv_digest import finish_digest
+
+    states = await read_hashed(transport, peer, remote_ids, local_ids, timeout=60, overlap=overlap)
+    t0 = time.perf_counter()
+    digests = [finish_digest(states[b], b, 0) for b in local_ids]
+    return digests, time.perf_counter() - t0
+
+
+def _paired_overhead(on: list[float], off: list[float]) -> float:
+    return round(statistics.median(a / b - 1 for a, b in zip(on, off, strict=True)), 4)
 
 
 async def _bench_backend(backend: str, a: argparse.Namespace, log: Any) -> dict[str, Any]:
@@ -325,6 +348,10 @@ async def _bench_backend(backend: str, a: argparse.Namespace, log: Any) -> dict[
             base = _Baselines(src, dst, remote_ids, local_ids, contiguous_at=pool_blocks - count)
             xfer: list[float] = []
             digests: list[float] = []
+            after: list[float] = []  # the read, then its digests on this thread
+            landed: list[float] = []  # the read hashing blocks as they land, then the binding
+            plain: list[float] = []  # read_hashed without overlap: hashed once the read is over
+            binding: list[float] = []  # the binding alone: what is left on the engine's thread
             times: dict[str, list[float]] = {k: [] for k in BASELINES}
             for rep in range(a.warmup + a.reps):
                 t0 = time.perf_counter()
@@ -345,10 +372,26 @@ async def _bench_backend(backend: str, a: argparse.Namespace, log: Any) -> dict[
                     if rep >= a.warmup:
                         times[k].append(t3 - t2)
                 t4 = time.perf_counter()
-                _digest_blocks(local, local_ids)
+                want = _digest_blocks(local, local_ids)
+                t5 = time.perf_counter()
+                t6 = time.perf_counter()
+                got, bound = await _landed_read(transport, peer, remote_ids, local_ids, True)
+                t7 = time.perf_counter()
+                got2, _ = await _landed_read(transport, peer, remote_ids, local_ids, False)
+                t8 = time.perf_counter()
+                if rep % 2:  # the other order too: a read right after another finds warmer caches
+                    t0 = time.perf_counter()
+                    await transport.read(peer, remote_ids, local_ids, timeout=60)
+                    t1 = time.perf_counter()
+                if rep == 0 and not got == got2 == want:
+                    raise RuntimeError(f"{backend}: digests of landed blocks differ ({count})")
                 if rep >= a.warmup:
                     xfer.append(t1 - t0)
-                    digests.append(time.perf_counter() - t4)
+                    digests.append(t5 - t4)
+                    after.append(t1 - t0 + t5 - t4)
+                    landed.append(t7 - t6)
+                    plain.append(t8 - t7)
+                    binding.append(bound)
             nbytes = count * layout.block_bytes
             x = _ms(xfer)
             med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
@@ -378,14 +421,24 @@ async def _bench_backend(backend: str, a: argparse.Namespace, log: Any) -> dict[
                 "digest_share_of_transfer": round(
                     statistics.median(digests) * 1e3 / x["median"], 4
                 ),
+                # digest on vs off, paired rep by rep: after the read, and as the blocks land
+                "checked_after_ms": round(statistics.median(after) * 1e3, 4),
+                "checked_landed_ms": round(statistics.median(landed) * 1e3, 4),
+                "overhead_after": _paired_overhead(after, xfer),
+                "overhead_landed": _paired_overhead(landed, xfer),
+                "checked_plain_ms": round(statistics.median(plain) * 1e3, 4),
+                "overhead_plain": _paired_overhead(plain, xfer),
+                # the engine thread's part of the check: all digests before, the binding now
+                "engine_thread_before_ms": round(statistics.median(digests) * 1e3, 4),
+                "engine_thread_now_ms": round(statistics.median(binding) * 1e3, 4),
             }
             rows.append(row)
             log(
                 f"{backend:5s} {count:4d} blocks {row['pattern']:10s} {row['latency_ms']:9.3f} ms "
                 f"{row['gbps']:7.2f} GB/s  memcpy ({method}) {row['memcpy_gbps']:7.2f} GB/s  "
                 f"contiguous copy {row['contiguous_copy_gbps']:7.2f} GB/s  ratio "
-                f"{row['ratio']:.2f}  digest {row['digest_gbps']:6.2f} GB/s "
-                f"({row['digest_share_of_transfer']:.1%})"
+                f"{row['ratio']:.2f}  digest {row['digest_gbps']:6.2f} GB/s; checked read "
+                f"after {row['overhead_after']:+.1%}, as landed {row['overhead_landed']:+.1%}"
             )
     finally:
         await transport.close()
@@ -447,6 +500,22 @@ def _table(report: dict[str, Any]) -> str:
         )
     lines.append("ratio = memcpy time / transfer time (1.0: as fast as the best in-process copy)")
     lines.append("")
+    lines.append(
+        "digests checked (on) vs not (off), median of paired reps: hashed after the read on the "
+        "engine's thread (before) / read_hashed overlapped with the read / read_hashed after it "
+        f"(the default on a host {'with' if report['spare_core'] else 'without'} a spare core: "
+        f"{'overlap' if report['spare_core'] else 'after'})"
+    )
+    for r in report["results"]:
+        lines.append(
+            f"  {r['backend']:5s}{r['blocks']:5d} {r['pattern']:11s} off {r['latency_ms']:8.3f} ms"
+            f"  before {r['checked_after_ms']:8.3f} ms ({r['overhead_after']:+.1%})"
+            f"  overlap {r['checked_landed_ms']:8.3f} ms ({r['overhead_landed']:+.1%})"
+            f"  after {r['checked_plain_ms']:8.3f} ms ({r['overhead_plain']:+.1%})"
+            f"  engine thread {r['engine_thread_before_ms']:7.3f} -> "
+            f"{r['engine_thread_now_ms']:.3f} ms"
+        )
+    lines.append("")
     for b, v in report["prompt_1024_tokens"].items():
         scattered = "" if v["scattered_ms"] is None else f"{v['scattered_ms']:.2f} ms scattered, "
         lines.append(
@@ -480,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from kvtransfer import BACKENDS, unavailable_reason
+    from kvtransfer.hashed_read import spare_core
     from kvtransfer.ucx_env import ucx_environment
     from runtime.strict import FallbackRefused, strict_mode
 
@@ -500,6 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         "nixl_options": a.nixl_option,
         "cpus": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
+        "spare_core": spare_core(),
         "ucx_env": ucx_environment(),
         "results": [],
         "prompt_1024_tokens": {},

@@ -6,7 +6,9 @@ release that raises included), before it may free blocks the transfer writes int
 release exactly once (its answer tells whether the bytes read are good); a read that failed but
 may still write (the transport's `settled`) quarantines its blocks until the transport says it
 is over; bytes read count only once the engine checked them against P's digests (a mismatch is
-a failed pull: the engine recomputes from the first bad block, and the policy answers).
+a failed pull: the engine recomputes from the first bad block, and the policy answers). The
+bytes are hashed as they land (kvtransfer/hashed_read.py), off the engine's thread; the engine
+binds those hashes to its own chain hashes and compares them with P's digests.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtransfer import Peer
-from node.engine_api import EngineStream, KVCheck
+from kvtransfer.hashed_read import read_hashed
+from node.engine_api import BytesHash, EngineStream, KVCheck
 from node.legs import LegContext, RemoteKV
 
 log = logging.getLogger("duet.decode")
@@ -108,6 +111,8 @@ class Puller:
         self.leg, self.rk, self.src, self.stream = leg, rk, src, stream
         self.released = False
         self.settled: Awaitable[Any] | None = None
+        #: the read blocks' bytes as hashed when they landed (kvtransfer/hashed_read.py)
+        self.hashed: dict[int, BytesHash] | None = None
         self._ended = False
 
     async def run(self, peer: Peer | None, failure: Pull | None) -> Pull:
@@ -186,10 +191,16 @@ class Puller:
     async def _read(self, peer: Peer | None, local: list[int]) -> Pull:
         node, src, k = self.leg.node, self.src, self.stream.num_cached_blocks
         assert node.transport is not None and peer is not None
+        self.hashed = None
         try:
             if k < len(local):
-                await node.transport.read(
-                    peer, src.block_ids[k:], local[k:], timeout=node.config.transfer_timeout_s
+                # hashed as they land, so the engine's check does not read them again
+                self.hashed = await read_hashed(
+                    node.transport,
+                    peer,
+                    src.block_ids[k:],
+                    local[k:],
+                    timeout=node.config.transfer_timeout_s,
                 )
         except Exception as e:
             self.settled = getattr(e, "settled", None)
@@ -232,7 +243,11 @@ class Puller:
             digests = self._digests(n_local) if ok else None
             with contextlib.suppress(Exception):
                 check = await engine.kv_ready(
-                    erid, ok, quarantine=self.settled is not None, digests=digests
+                    erid,
+                    ok,
+                    quarantine=self.settled is not None,
+                    digests=digests,
+                    hashed=self.hashed if ok else None,
                 )
             if self.settled is not None:
                 self.rk.unquarantine_later(engine, erid, self.settled)

@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -41,7 +41,7 @@ from engine.outputs import RequestOutput
 from engine.request import Priority, Request
 from engine.sampling_params import SamplingParams
 from engine.sleep import SleepReport
-from protocol.kv_digest import KVCheck
+from protocol.kv_digest import BytesHash, KVCheck
 
 log = logging.getLogger("duet.engine")
 T = TypeVar("T")
@@ -393,9 +393,10 @@ class AsyncEngine:
         quarantine: bool = False,
         digests: list[int | None] | None = None,
         where: str = "transfer",
+        hashed: Mapping[int, BytesHash] | None = None,
     ) -> KVCheck:
         return await self._submit(
-            lambda: self.core.kv_ready(request_id, ok, quarantine, digests, where)
+            lambda: self.core.kv_ready(request_id, ok, quarantine, digests, where, hashed)
         )
 
     async def share(

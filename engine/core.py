@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +47,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.spec_decode import Speculator, build_speculator, spec_max_batch
 from protocol.block_hash import domain_root
-from protocol.kv_digest import KVCheck
+from protocol.kv_digest import BytesHash, KVCheck
 from protocol.kv_layout import KVLayout
 from protocol.logprobs import TokenLogprob
 from runtime.models import resolve_model
@@ -636,12 +637,15 @@ class EngineCore(Residency):
         quarantine: bool = False,
         digests: list[int | None] | None = None,
         where: str = "transfer",
+        hashed: Mapping[int, BytesHash] | None = None,
     ) -> KVCheck:
         """The transfer for a reserved request finished (ok) or failed; with `quarantine` its
         target blocks are set aside until `release_quarantine`. With `digests` (the sender's,
         aligned with the request's blocks; None for a block not transferred) the KV counts only
-        as far as it matches them (`where` names the source in the counters)."""
-        return self.scheduler.kv_ready(request_id, ok, quarantine, digests, where)[1]
+        as far as it matches them (`where` names the source in the counters); `hashed` holds
+        the blocks' bytes hashed as they landed, bound and checked here instead of hashing
+        the blocks again."""
+        return self.scheduler.kv_ready(request_id, ok, quarantine, digests, where, hashed)[1]
 
     def share(
         self, share_id: str, hashes: list[int], cache_salt: str | None, lease_s: float

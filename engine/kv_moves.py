@@ -12,12 +12,12 @@ block on; every check and mismatch is counted by where the KV came from (`kv.che
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from engine.request import Request
 from protocol.block_hash import domain_root
-from protocol.kv_digest import KVCheck, tail_chain_hash
+from protocol.kv_digest import BytesHash, KVCheck, finish_digest, tail_chain_hash
 
 if TYPE_CHECKING:
     from engine.kv_manager import KVCacheManager
@@ -159,11 +159,18 @@ def transfer_digests(kv: KVCacheManager, req: Request) -> list[int] | None:
 
 
 def verify(
-    kv: KVCacheManager, req: Request, digests: Sequence[int | None], upto: int, where: str
+    kv: KVCacheManager,
+    req: Request,
+    digests: Sequence[int | None],
+    upto: int,
+    where: str,
+    hashed: Mapping[int, BytesHash] | None = None,
 ) -> int:
     """Check the blocks of `req` whose KV arrived (`digests[i]` not None) against the sender's
     digests, their KV covering `upto` tokens. Returns how many leading blocks are good: all of
-    them, or up to the first mismatch. A verified full block keeps its digest."""
+    them, or up to the first mismatch. A verified full block keeps its digest. A block in
+    `hashed` (its bytes hashed as they landed, by block id) is bound and compared without
+    hashing its bytes again; any other is hashed here."""
     if kv.digester is None:
         return len(digests)
     root = _root(kv, req)
@@ -172,7 +179,13 @@ def verify(
             continue
         b = req.block_ids[i]
         kv.checks[where] += 1
-        got = kv.digester.digest(b, _chain(kv, req, i, upto), root)
+        state = hashed.get(b) if hashed is not None else None
+        chain = _chain(kv, req, i, upto)
+        got = (
+            kv.digester.digest(b, chain, root)
+            if state is None
+            else finish_digest(state, chain, root)
+        )
         if got != want:
             _mismatch(kv, where, f"block {i} of request {req.request_id}")
             return i
@@ -182,7 +195,11 @@ def verify(
 
 
 def arrived(
-    kv: KVCacheManager, req: Request, digests: Sequence[int | None] | None, where: str
+    kv: KVCacheManager,
+    req: Request,
+    digests: Sequence[int | None] | None,
+    where: str,
+    hashed: Mapping[int, BytesHash] | None = None,
 ) -> KVCheck:
     """A transfer into `req`'s reserved blocks went well: its tokens count as computed — a whole
     prompt's but the last (recomputed for its logits), a pulled prefix's all — as far as the
@@ -192,7 +209,7 @@ def arrived(
     cover = n - 1 if n >= req.num_prompt_tokens else n
     check = KVCheck.READY
     if digests is not None:
-        good = verify(kv, req, digests, n, where)
+        good = verify(kv, req, digests, n, where, hashed)
         if good < len(digests):
             check = KVCheck.MISMATCH
             cover = min(cover, good * kv.block_size)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine import kv_moves
@@ -48,7 +48,7 @@ from engine.kv_manager import KVCacheManager
 from engine.request import Request, Status
 from engine.shares import Shares
 from engine.step_model import OnlineStepModel, StepShape, shape_of
-from protocol.kv_digest import KVCheck
+from protocol.kv_digest import BytesHash, KVCheck
 
 
 @dataclass(frozen=True)
@@ -351,6 +351,7 @@ class Scheduler:
         quarantine: bool = False,
         digests: Sequence[int | None] | None = None,
         where: str = "transfer",
+        hashed: Mapping[int, BytesHash] | None = None,
     ) -> tuple[Request | None, KVCheck]:
         """The transfer for a reserved (or still queued) request ended. ok: the remote tokens
         count, as far as they match `digests` (engine/kv_moves.py `arrived`); not ok: compute
@@ -378,7 +379,7 @@ class Scheduler:
             self.kv.free(req)
             self.kv.forget(req)
             return req, KVCheck.FAILED if not ok else KVCheck.READY
-        check = kv_moves.arrived(self.kv, req, digests, where) if ok else KVCheck.FAILED
+        check = kv_moves.arrived(self.kv, req, digests, where, hashed) if ok else KVCheck.FAILED
         if where == "peer":  # a pulled prefix: this node computes the rest of the prompt
             self.kv.count_pulled(req, req.num_computed_tokens - req.num_cached_tokens)
         req.status = Status.RUNNING

@@ -10,7 +10,11 @@ and the backends only fill in `_register/_connect/_read/_notify/...`:
   metadata again returns the same `Peer`, new metadata for a known engine id (a restarted
   node) replaces it.
 - `read` validates ids on both sides before any byte moves, then completes or raises a
-  `TransferError` within `timeout` seconds, never hangs. A peer-level failure (timeout,
+  `TransferError` within `timeout` seconds, never hangs. With `landed`, the backend calls it
+  with local block ids as their bytes are in place for good (each block once, in request order,
+  possibly from the backend's posting thread), so a caller can work on the first blocks while
+  the rest are still moving (kvtransfer/hashed_read.py hashes them); a backend that cannot tell
+  calls it once, at the end. A peer-level failure (timeout,
   dead or misbehaving peer) drops the peer from the cache, so the next request re-fetches
   its metadata instead of reusing a broken connection.
 - A failed `read` whose backend could not stop the copy in time (a NIXL transfer still in
@@ -33,7 +37,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar
 
 from kvtransfer.errors import (
@@ -63,6 +67,9 @@ DEFAULT_TIMEOUT = 10.0
 MAX_QUEUED_NOTIFICATIONS = 4096
 #: Connected peers kept; the least recently used is disconnected beyond this.
 MAX_PEERS = 256
+
+#: `read`'s callback: these local blocks hold their final bytes (see the module docstring)
+Landed = Callable[[Sequence[int]], None]
 
 
 class Peer:
@@ -122,8 +129,9 @@ class Transport(abc.ABC):
         """Release what `_connect` set up; must not raise."""
 
     @abc.abstractmethod
-    async def _read(self, peer: Peer, plan: ReadPlan) -> None:
-        """Move the blocks; on cancellation, stop writing into local blocks if possible."""
+    async def _read(self, peer: Peer, plan: ReadPlan, landed: Landed | None) -> None:
+        """Move the blocks; on cancellation, stop writing into local blocks if possible. Call
+        `landed` (when given) for every block once its bytes are final, before returning."""
 
     @abc.abstractmethod
     async def _notify(self, peer: Peer, message: bytes) -> None: ...
@@ -289,13 +297,13 @@ class Transport(abc.ABC):
     # -- data ------------------------------------------------------------------------
 
     def plan(
-        self, peer: Peer, remote_block_ids: Sequence[int], local_block_ids: Sequence[int]
+        self, peer: Peer | str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int]
     ) -> ReadPlan:
         """Validate and coalesce a read without performing it (raises BlockRangeError)."""
         return plan_read(
             remote_block_ids,
             local_block_ids,
-            remote_layout=peer.layout,
+            remote_layout=self._resolve(peer).layout,
             local_layout=self.layout,
         )
 
@@ -306,13 +314,15 @@ class Transport(abc.ABC):
         local_block_ids: Sequence[int],
         *,
         timeout: float | None = None,
+        landed: Landed | None = None,
     ) -> None:
         """Copy the peer's blocks `remote_block_ids[i]` into local `local_block_ids[i]`.
 
         Completes when every byte is in place, or raises a `TransferError` (after `timeout`
         seconds at most, default `self.timeout`, plus what a local copy already under way
         needs to stop: nothing writes the local blocks once this returns or raises); after an
-        error the local blocks' content is undefined.
+        error the local blocks' content is undefined. `landed`: see the module docstring (a
+        failed read may have called it for some blocks; their bytes are then worth nothing).
         """
         p = self._resolve(peer)
         plan = self.plan(p, remote_block_ids, local_block_ids)
@@ -321,7 +331,9 @@ class Transport(abc.ABC):
         limit = self.timeout if timeout is None else timeout
         t0 = time.perf_counter()
         try:
-            await self._guarded(p, self._read(p, plan), limit, f"reading {plan.num_blocks} blocks")
+            await self._guarded(
+                p, self._read(p, plan, landed), limit, f"reading {plan.num_blocks} blocks"
+            )
         except TransferError as e:
             e.settled = self._late_writes.pop(plan.local_ids, None)
             raise

@@ -20,6 +20,10 @@ of every `expect_reads()` window (a prefill node holding blocks for a lease). Al
 serialised by one lock (the agent runs in NIXL's no-locking mode); small calls run inline on the
 loop, a large `transfer()` — which on one host performs the whole kernel copy (UCX `cma`) before
 returning, with the GIL released — runs on a dedicated thread so the loop keeps serving.
+A read whose caller asks to hear of blocks as they land (`landed`) is posted as a sequence of
+transfers under one hold of the lock, each as large as all those after it down to
+`LANDED_TAIL_BYTES`, each reported once its transfer is done: the caller hashes one chunk while
+the next, half as large, is copied, and what is left to hash after the last copy is small.
 
 Between hosts, UCX needs no progress from the owner for RDMA READs; when only TCP links
 the hosts, UCX emulates READ with messages the owner must answer: enable
@@ -42,7 +46,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvtransfer.base import DEFAULT_TIMEOUT, Peer, Transport
+from kvtransfer.base import DEFAULT_TIMEOUT, Landed, Peer, Transport
 from kvtransfer.errors import BackendUnavailable, PeerError, TransferError
 from kvtransfer.memory import PoolMemory, parse_device
 from kvtransfer.metadata import Notification, TransportMetadata
@@ -57,6 +61,12 @@ T = TypeVar("T")
 #: ones on the agent thread. bench/kvtransfer.py --sweep-ucx: a thread hop cost ~0.2 ms on
 #: a loaded 2-core host, 5x a 1-block (360 KiB) copy, and nothing measurable at 256 blocks.
 DEFAULT_INLINE_MAX_BYTES = 8 * 1024 * 1024
+#: A read whose caller wants blocks reported as they land is posted in tapering transfers
+#: (`ReadPlan.tapering`) whose last one is about this large: on one host each is copied when
+#: posted, so the caller hashes a chunk while the next is copied, and only the last one is
+#: left to hash once the read is over; a post costs tens of microseconds, so a read of n blocks
+#: takes about log2(n) of them (python -m bench.kvtransfer).
+LANDED_TAIL_BYTES = 256 * 1024
 #: after any activity, how long the notification poller keeps its short interval
 BUSY_WINDOW_S = 1.0
 #: how long a timed-out read waits for its posting thread to stop writing local blocks
@@ -323,17 +333,60 @@ class NixlTransport(Transport):
         except Exception as e:  # NIXL could not cancel an active transfer
             log.warning("NIXL transfer handle not released: %s", e)
 
-    async def _read(self, peer: Peer, plan: ReadPlan) -> None:
-        assert isinstance(peer, NixlPeer)
-        if plan.nbytes <= self._inline_max_bytes and self._lock.acquire(blocking=False):
+    def _post_landing(
+        self, peer: NixlPeer, plan: ReadPlan, landed: Landed | None, chunked: bool
+    ) -> tuple[Any, str, ReadPlan, ReadPlan | None]:
+        """Post `plan`; with `landed` and `chunked`, in tapering chunks (`LANDED_TAIL_BYTES`),
+        reporting each chunk that its post completed (one host: `transfer` is the copy) and
+        going on with the next.
+        Returns the handle and state of the last transfer posted, the part of `plan` it moves
+        (reported only once it is done), and what is left unposted: everything after a chunk that
+        is still in flight when posted (a one-sided READ across hosts, which completes later:
+        chunking gains nothing there, so the caller posts the rest whole)."""
+        if landed is None or not chunked:
+            return (*self._post(peer, plan, b""), plan, None)
+        chunks = plan.tapering(LANDED_TAIL_BYTES // plan.block_bytes)
+        for i, chunk in enumerate(chunks):
+            handle, state = self._post(peer, chunk, b"")
+            if state != "DONE" or i == len(chunks) - 1:
+                rest = plan.part(sum(c.num_blocks for c in chunks[: i + 1]))
+                return handle, state, chunk, rest if rest.num_blocks else None
             try:
-                handle, state = self._post(peer, plan, b"")
+                handle.release()
+            except Exception as e:  # a finished transfer: nothing can still write its blocks
+                log.warning("NIXL transfer handle not released: %s", e)
+            landed(chunk.local_ids)
+        raise AssertionError("unreachable: a plan has at least one chunk")
+
+    async def _read(self, peer: Peer, plan: ReadPlan, landed: Landed | None) -> None:
+        assert isinstance(peer, NixlPeer)
+        todo: ReadPlan | None = plan
+        chunked = True
+        while todo is not None:
+            todo, in_flight = await self._read_part(peer, todo, plan, landed, chunked)
+            chunked = chunked and not in_flight  # one-sided and asynchronous: the rest whole
+
+    async def _read_part(
+        self,
+        peer: NixlPeer,
+        part: ReadPlan,
+        whole: ReadPlan,
+        landed: Landed | None,
+        chunked: bool,
+    ) -> tuple[ReadPlan | None, bool]:
+        """Post `part` of the read `whole` and wait for it (see `_post_landing`). Returns what is
+        left to post and whether a transfer was still in flight when posted."""
+        if part.nbytes <= self._inline_max_bytes and self._lock.acquire(blocking=False):
+            try:
+                handle, state, last, rest = self._post_landing(peer, part, landed, chunked)
             finally:
                 self._lock.release()
         else:
-            future = self._executor.submit(self._locked, self._post, peer, plan, b"")
+            future = self._executor.submit(
+                self._locked, self._post_landing, peer, part, landed, chunked
+            )
             try:
-                handle, state = await asyncio.wrap_future(future)
+                handle, state, last, rest = await asyncio.wrap_future(future)
             except asyncio.CancelledError:
                 # The copy may still be writing our blocks on the agent thread. A caller that
                 # reuses those blocks after the error (a decode node recomputing) must not race
@@ -348,21 +401,25 @@ class NixlTransport(Transport):
                         "a timed-out NIXL read is still copying after %.0f s", _SETTLE_CAP_S
                     )
                     # The caller quarantines the blocks until the copy is over.
-                    self._late_write(plan, asyncio.ensure_future(self._settle_posting(future)))
+                    self._late_write(whole, asyncio.ensure_future(self._settle_posting(future)))
                 else:
                     future.add_done_callback(self._release_abandoned)
                 raise
+        in_flight = state == "PROC"
         try:
             await self._wait(handle, state, peer.engine_id)
         except asyncio.CancelledError:
             # Timed out (or the caller gave up) while the transfer may still be in flight: it can
             # still write our blocks, so they stay quarantined until NIXL says it is over.
-            self._late_write(plan, asyncio.ensure_future(self._settle(handle)))
+            self._late_write(whole, asyncio.ensure_future(self._settle(handle)))
             raise
         except BaseException:
             await self._release(handle)
             raise
         await self._release(handle)
+        if landed is not None:
+            landed(last.local_ids)
+        return rest, in_flight
 
     async def _settle(self, handle: Any) -> None:
         """Wait until a transfer we gave up on is no longer in flight, then free its handle."""
@@ -373,11 +430,11 @@ class NixlTransport(Transport):
                 delay = min(delay * 2, 0.1)
         await self._release(handle)
 
-    async def _settle_posting(self, future: concurrent.futures.Future[tuple[Any, str]]) -> None:
+    async def _settle_posting(self, future: concurrent.futures.Future[Any]) -> None:
         """The posting thread of an abandoned read: wait for it, then for its transfer."""
         with contextlib.suppress(BaseException):
-            handle, _ = await asyncio.wrap_future(future)
-            await self._settle(handle)
+            posted = await asyncio.wrap_future(future)
+            await self._settle(posted[0])
 
     async def _wait(self, handle: Any, state: str, engine_id: str) -> None:
         delay = 0.0
@@ -390,7 +447,7 @@ class NixlTransport(Transport):
         if state != "DONE":
             raise PeerError(f"NIXL READ from peer {engine_id!r} failed ({state})")
 
-    def _release_abandoned(self, future: concurrent.futures.Future[tuple[Any, str]]) -> None:
+    def _release_abandoned(self, future: concurrent.futures.Future[Any]) -> None:
         # Runs on the agent thread once it let go of the lock (or here, if already done).
         if future.cancelled() or future.exception() is not None:
             return

@@ -51,6 +51,28 @@ class ReadPlan(NamedTuple):
     def nbytes(self) -> int:
         return len(self.local_ids) * self.block_bytes
 
+    def part(self, start: int, stop: int | None = None) -> ReadPlan:
+        """The read of blocks `start:stop` of this one (in request order)."""
+        remote, local = self.remote_ids[start:stop], self.local_ids[start:stop]
+        return ReadPlan(remote, local, self.block_bytes, coalesce(remote, local))
+
+    def tapering(self, tail_blocks: int) -> list[ReadPlan]:
+        """The same read as consecutive plans, in order, each as large as all those after it,
+        the last two of `tail_blocks` (16 blocks, tail 1: 8, 4, 2, 1, 1): a few parts, the last
+        one small, and each part about twice the next, whose copy takes about as long as
+        hashing it does."""
+        sizes: list[int] = []
+        left, size = self.num_blocks, max(1, tail_blocks)
+        while left > 0:
+            sizes.append(min(size, left))
+            left -= sizes[-1]
+            size = sum(sizes)
+        parts, start = [], 0
+        for n in reversed(sizes):
+            parts.append(self.part(start, start + n))
+            start += n
+        return parts
+
 
 def _check_ids(ids: Sequence[int], num_blocks: int, side: str) -> tuple[int, ...]:
     out = []

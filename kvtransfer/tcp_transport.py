@@ -41,7 +41,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvtransfer import wire
-from kvtransfer.base import DEFAULT_TIMEOUT, Peer, Transport
+from kvtransfer.base import DEFAULT_TIMEOUT, Landed, Peer, Transport
 from kvtransfer.errors import BackendUnavailable, PeerError, TransferError
 from kvtransfer.memory import PoolMemory
 from kvtransfer.metadata import Notification, TransportMetadata
@@ -343,7 +343,7 @@ class TcpTransport(Transport):
             raise PeerError(f"unexpected answer from the peer: {reply!r}")
         return reply
 
-    async def _read(self, peer: Peer, plan: ReadPlan) -> None:
+    async def _read(self, peer: Peer, plan: ReadPlan, landed: Landed | None) -> None:
         assert isinstance(peer, TcpPeer)
         loop = asyncio.get_running_loop()
         peer.next_id += 1
@@ -356,8 +356,12 @@ class TcpTransport(Transport):
                 raise PeerError(f"peer {peer.engine_id!r} refused the read: {reply.error}")
             if reply.nbytes != plan.nbytes:
                 raise PeerError(f"peer announced {reply.nbytes} bytes, expected {plan.nbytes}")
+            done = 0
             for start, count in side_runs(plan.local_ids):
                 await _recv_exactly(loop, sock, view[start * bb : (start + count) * bb])
+                if landed is not None:  # the socket writes these blocks no more
+                    landed(plan.local_ids[done : done + count])
+                done += count
 
     async def _notify(self, peer: Peer, message: bytes) -> None:
         assert isinstance(peer, TcpPeer)

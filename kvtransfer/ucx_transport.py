@@ -41,7 +41,7 @@ from types import ModuleType
 from typing import Any
 
 from kvtransfer import wire
-from kvtransfer.base import DEFAULT_TIMEOUT, Peer, Transport
+from kvtransfer.base import DEFAULT_TIMEOUT, Landed, Peer, Transport
 from kvtransfer.errors import BackendUnavailable, PeerError
 from kvtransfer.memory import PoolMemory
 from kvtransfer.metadata import Notification, TransportMetadata
@@ -350,7 +350,7 @@ class UcxTransport(Transport):
         finally:
             peer.replies.pop(msg.req_id, None)
 
-    async def _read(self, peer: Peer, plan: ReadPlan) -> None:
+    async def _read(self, peer: Peer, plan: ReadPlan, landed: Landed | None) -> None:
         assert isinstance(peer, UcxPeer)
         req_id = next(self._ids)
         bb = plan.block_bytes
@@ -373,6 +373,8 @@ class UcxTransport(Transport):
         finally:
             for r in receives:
                 r.cancel()
+        if landed is not None:  # the receives complete together: nothing finer to report
+            landed(plan.local_ids)
 
     async def _notify(self, peer: Peer, message: bytes) -> None:
         assert isinstance(peer, UcxPeer)

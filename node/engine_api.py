@@ -28,11 +28,11 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from protocol.kv_digest import KVCheck
+from protocol.kv_digest import BytesHash, KVCheck
 from protocol.kv_events import KVEvent
 from protocol.kv_layout import KVLayout
 from protocol.kv_params import KVTransferParams
@@ -43,6 +43,7 @@ from text.tokenizer import Tokenizer
 __all__ = [
     "AdapterRefused",
     "AdapterSlotsFull",
+    "BytesHash",
     "Delta",
     "EmbeddingEngine",
     "EngineBusy",
@@ -187,10 +188,13 @@ class NodeEngine(Protocol):
         quarantine: bool = False,
         digests: list[int | None] | None = None,
         where: str = "transfer",
+        hashed: Mapping[int, BytesHash] | None = None,
     ) -> KVCheck:
         """The transfer into a reserved request's blocks ended; `digests` (aligned with its
         blocks, None for one not transferred) are the sender's, checked before the KV counts;
-        `where` names the source in the engine's counters ("transfer" or "peer")."""
+        `where` names the source in the engine's counters ("transfer" or "peer"). `hashed`: the
+        blocks' bytes as hashed when they landed (kvtransfer/hashed_read.py), by block id; the
+        engine binds and checks those instead of hashing the blocks again."""
         ...
 
     async def release_quarantine(self, request_id: str) -> int: ...

@@ -11,9 +11,10 @@ a fallback to computing here — the answer never depends on the pull:
    route named (`Membership.kv_peer`), and its transport address must pass the peer policy
    (node/remote_kv.py), as for a decode node's prefill;
 3. queue the request with the shared tokens as remote KV (the engine reserves blocks after its
-   own prefix hit), READ the shared blocks into them, and let the engine check them against the
-   source's digests (`kv_ready(..., where="peer")`): a mismatch recomputes from the first bad
-   block, a failed or late read everything past the local hit;
+   own prefix hit), READ the shared blocks into them (hashed as they land,
+   kvtransfer/hashed_read.py), and let the engine check them against the source's digests
+   (`kv_ready(..., where="peer")`): a mismatch recomputes from the first bad block, a failed
+   or late read everything past the local hit;
 4. release the share in the background: the digests, not the source's word, vouch for the
    bytes, so nothing waits for it.
 Steps 3's transfer runs in a task the client cannot cancel: the engine always learns how the
@@ -29,6 +30,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from kvtransfer.hashed_read import read_hashed
 from node.engine_api import EngineStream, KVCheck, KVHandoff
 from protocol.block_hash import DEFAULT_HASH_SEED, block_hashes, domain_root
 from protocol.node_api import KVShareAnswer, KVShareRequest
@@ -140,7 +142,7 @@ class PrefixPull:
         """Reserve, read, check: the engine learns the end in every case. Returns the outcome."""
         node, erid = self.leg.node, self.leg.engine_request_id
         first, settled, outcome = self.source.from_block, None, "timeout"
-        ok, digests = False, None
+        ok, digests, hashed = False, None, None
         try:
             assert stream.reserved is not None
             async with asyncio.timeout(self._left()):
@@ -150,8 +152,13 @@ class PrefixPull:
                 outcome = "gap"
             else:
                 assert node.transport is not None
-                await node.transport.read(
-                    peer, share.block_ids[k - first :], local[k:], timeout=self._left() or 1e-3
+                # hashed as they land, so the engine's check does not read them again
+                hashed = await read_hashed(
+                    node.transport,
+                    peer,
+                    share.block_ids[k - first :],
+                    local[k:],
+                    timeout=self._left() or 1e-3,
                 )
                 ok, digests = True, [None] * k + list(share.block_digests[k - first :])
         except asyncio.CancelledError:
@@ -169,7 +176,12 @@ class PrefixPull:
             check = KVCheck.UNKNOWN
             with contextlib.suppress(Exception):
                 check = await node.engine.kv_ready(
-                    erid, ok, quarantine=settled is not None, digests=digests, where="peer"
+                    erid,
+                    ok,
+                    quarantine=settled is not None,
+                    digests=digests,
+                    where="peer",
+                    hashed=hashed if ok else None,
                 )
             if settled is not None:
                 self.rk.unquarantine_later(node.engine, erid, settled)

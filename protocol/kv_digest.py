@@ -17,6 +17,13 @@ spill tiers' entries); the reader recomputes it over the bytes it is about to us
 chain hash it derives from its own tokens and domain, and on a mismatch fails closed: the block
 is dropped and its tokens recomputed. It lives in protocol/ because both ends of a transfer
 must compute it identically, as with the block hash itself.
+
+The digest is computed in two steps so that the expensive one can run where the bytes land:
+`hash_bytes` streams a block's bytes into an xxh3 state (a pass over the block: as costly as
+copying it), `finish_digest` binds a copy of that state to the chain hash and domain root (a few
+nanoseconds). A reader that hashed a block's bytes as they arrived (kvtransfer/hashed_read.py)
+hands the states to the engine, which finishes them with the chain hashes it derives itself:
+`block_digest` is exactly `finish_digest(hash_bytes(data), ...)`, one format whichever path.
 """
 
 from __future__ import annotations
@@ -34,12 +41,28 @@ DIGEST_SEED = 0x6B766469  # "kvdi"
 _FOOTER = struct.Struct("<QQ")
 
 
-def block_digest(data: memoryview | bytes, chain_hash: int, domain_root: int) -> int:
-    """The digest of one block's bytes, bound to its chain hash and its domain's root."""
+#: a block's bytes streamed into the digest's hash, not yet bound (`finish_digest` binds it)
+BytesHash = xxhash.xxh3_64
+
+
+def hash_bytes(data: memoryview | bytes) -> BytesHash:
+    """The digest's state after one block's bytes: the costly part, done once per block."""
     h = xxhash.xxh3_64(seed=DIGEST_SEED)
     h.update(data)
+    return h
+
+
+def finish_digest(state: BytesHash, chain_hash: int, domain_root: int) -> int:
+    """The digest of the bytes `state` has hashed, bound to a chain hash and a domain root.
+    `state` is left as it was (a copy is finished), so one state serves any binding."""
+    h = state.copy()
     h.update(_FOOTER.pack(chain_hash & (2**64 - 1), domain_root & (2**64 - 1)))
     return h.intdigest()
+
+
+def block_digest(data: memoryview | bytes, chain_hash: int, domain_root: int) -> int:
+    """The digest of one block's bytes, bound to its chain hash and its domain's root."""
+    return finish_digest(hash_bytes(data), chain_hash, domain_root)
 
 
 def tail_chain_hash(parent: int, tokens: Sequence[int], seed: int = DEFAULT_HASH_SEED) -> int:

@@ -9,7 +9,7 @@ EngineDeadError → EngineDead).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from engine import block_pool
@@ -24,6 +24,7 @@ from engine.sleep import EngineBusy as CoreBusy
 from node.engine_api import (
     AdapterRefused,
     AdapterSlotsFull,
+    BytesHash,
     Delta,
     EngineBusy,
     EngineDead,
@@ -226,8 +227,11 @@ class NativeNodeEngine:
         quarantine: bool = False,
         digests: list[int | None] | None = None,
         where: str = "transfer",
+        hashed: Mapping[int, BytesHash] | None = None,
     ) -> KVCheck:
-        return await self._call(self._engine.kv_ready(request_id, ok, quarantine, digests, where))
+        return await self._call(
+            self._engine.kv_ready(request_id, ok, quarantine, digests, where, hashed)
+        )
 
     async def release_quarantine(self, request_id: str) -> int:
         return int(await self._call(self._engine.release_quarantine(request_id)))

@@ -31,10 +31,11 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from node.engine_api import (
+    BytesHash,
     EngineDead,
     HeldKV,
     KVCheck,
@@ -277,6 +278,7 @@ class VllmNodeEngine:
         quarantine: bool = False,
         digests: list[int | None] | None = None,
         where: str = "transfer",
+        hashed: Mapping[int, BytesHash] | None = None,
     ) -> KVCheck:
         return KVCheck.UNKNOWN
 

@@ -12,7 +12,13 @@ from engine import EngineConfig, SamplingParams
 from engine.block_pool import BlockPool, BlockRemoved
 from engine.core import EngineCore
 from protocol.block_hash import block_hashes, domain_root
-from protocol.kv_digest import KVCheck, block_digest, tail_chain_hash
+from protocol.kv_digest import (
+    KVCheck,
+    block_digest,
+    finish_digest,
+    hash_bytes,
+    tail_chain_hash,
+)
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PROMPT = [(7 * i) % 300 + 3 for i in range(53)]  # 3 full blocks of 16 and a 5-token tail
@@ -59,6 +65,11 @@ def test_digest_binds_bytes_chain_and_domain() -> None:
     assert d == block_digest(memoryview(data), 1, 2)
     assert len({d, block_digest(data, 3, 2), block_digest(data, 1, 4)}) == 3
     assert block_digest(data[:-1] + b"\x00", 1, 2) != d
+    # hashing the bytes first and binding later (where the bytes land) is the same digest,
+    # and one state binds to any chain and domain
+    state = hash_bytes(data)
+    assert finish_digest(state, 1, 2) == d and finish_digest(state, 3, 2) != d
+    assert finish_digest(state, 1, 2) == d
 
 
 def test_written_blocks_carry_the_digest_of_their_bytes(core: EngineCore) -> None:
@@ -90,9 +101,13 @@ def test_a_flipped_released_block_is_caught_and_the_answer_unchanged(
     assert core.kv.mismatches == {"pool": 1} and core.kv.checks["pool"] >= 5
 
 
-def _transfer(p: EngineCore, d: EngineCore, flipped: set[int]) -> KVCheck:
+def _transfer(
+    p: EngineCore, d: EngineCore, flipped: set[int], landed: set[int] | None = None
+) -> KVCheck:
     """P prefills and holds; its blocks' bytes are copied into D's reserved blocks (what the
-    transport does), those at `flipped` positions corrupted on the way; D checks P's digests."""
+    transport does), those at `flipped` positions corrupted on the way; D checks P's digests.
+    `landed`: the positions whose bytes are hashed as they land (kvtransfer/hashed_read.py),
+    after the corruption, and handed to the engine with the digests."""
     run(p, "p", PROMPT, params=SamplingParams(max_tokens=1), hold_blocks=True)
     held = p.held_kv("p")
     assert held is not None
@@ -101,21 +116,31 @@ def _transfer(p: EngineCore, d: EngineCore, flipped: set[int]) -> KVCheck:
     d.add_request("d", PROMPT, GREEDY, remote_num_tokens=len(PROMPT))
     _, reserved = d.step()
     dst = reserved[0].block_ids
+    hashed = {}
     for i, (s, t) in enumerate(zip(src, dst, strict=True)):
         d.pool_bytes.row(t).copy_(p.pool_bytes.row(s))
         if i in flipped:
             flip(d, t, at=77 + i)
-    return d.kv_ready("d", True, digests=list(digests))
+        if landed is not None and i in landed:
+            hashed[t] = hash_bytes(d.pool_bytes.view(t))
+    return d.kv_ready(
+        "d", True, digests=list(digests), hashed=hashed if landed is not None else None
+    )
 
 
 @pytest.mark.parametrize("flipped", [set(), {2}, {3}, {0, 3}])
+@pytest.mark.parametrize(
+    "landed", [None, {0, 1, 2, 3}, {1, 3}], ids=["engine-hashes", "all-landed", "some-landed"]
+)
 def test_transferred_blocks_are_checked_against_the_senders_digests(
-    tiny_llama: Path, flipped: set[int]
+    tiny_llama: Path, flipped: set[int], landed: set[int] | None
 ) -> None:
+    """Whether the engine hashes the blocks or binds the hashes taken as they landed (all of
+    them, or some: the others it hashes itself), every flipped block is caught."""
     cfg = EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=64)
     p, d, ref = EngineCore(cfg), EngineCore(cfg), EngineCore(cfg)
     want = run(ref, "r", PROMPT)
-    check = _transfer(p, d, flipped)
+    check = _transfer(p, d, flipped, landed)
     assert check is (KVCheck.MISMATCH if flipped else KVCheck.READY)
     toks: list[int] = []
     while len(toks) < GREEDY.max_tokens:

@@ -59,7 +59,7 @@ async def test_a_late_write_surfaces_as_settled(monkeypatch: pytest.MonkeyPatch)
         peer = await reader.add_peer(owner.metadata())
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
-        async def stuck_read(p, plan):  # a backend that gave up but cannot stop the copy
+        async def stuck_read(p, plan, landed):  # a backend that gave up but cannot stop the copy
             reader._late_write(plan, done)
             raise PeerError("injected: the copy could not be cancelled")
 

@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from bench.pd_client import completion, disaggregated
 from engine import LLM, SamplingParams
+from kvtransfer.hashed_read import OVERLAP_ENV
 from tests.nodes.test_peer_pull import counter
 from tests.procs import TINY_NODE_ARGS, Proc, duet_node, free_port, running
 
@@ -38,14 +40,17 @@ def cold(model: Path, *prompts: list[int]) -> list[list[int]]:
     return [llm.generate([p], SamplingParams(**GREEDY))[0].token_ids for p in prompts]
 
 
+@pytest.mark.parametrize("overlap", ["1", "0"], ids=["hashed-while-read", "hashed-after-read"])
 async def test_corrupt_bytes_in_transit_and_in_a_share_are_caught(
-    tiny_llama: Path, tmp_path: Path
+    tiny_llama: Path, tmp_path: Path, overlap: str
 ) -> None:
+    """Every corrupt block is caught whether the reading node hashes the blocks beside the copy
+    or once it is over."""
     x, first = prompt(1, 70), prompt(2, 100)
     nxt = first + prompt(3, 40)
     want_x, want_nxt = cold(tiny_llama, x, nxt)
     src = corrupting(tiny_llama, tmp_path)
-    d = duet_node("both", tiny_llama, tmp_path, *TINY_NODE_ARGS)
+    d = duet_node("both", tiny_llama, tmp_path, *TINY_NODE_ARGS, env={OVERLAP_ENV: overlap})
     with running(src, d):
         async with aiohttp.ClientSession() as s:
             # P → D: P's second block is corrupt by the time D reads it
