@@ -143,6 +143,7 @@ COMPONENT_BENCHMARKS = {
     "bench/kvtransfer.py": {"kvtransfer"},
     "bench/kv_tiers.py": {"engine"},
     "bench/kv_int8.py": {"engine"},
+    "bench/kv_int8_prefix.py": {"engine"},
     "bench/route.py": {"coordinator"},
     "bench/rollout_plane.py": {"coordinator"},  # its etcd (coordinator/etcd_server.py)
     "bench/router.py": {"gateway"},
