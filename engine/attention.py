@@ -12,14 +12,14 @@ transformers. Without kernels (CUDA, no compiler, DUET_DISABLE_KERNELS=1) everyt
 decodes gather their blocks into a padded batch with a length mask, a chunk after a cached
 prefix gathers its sequence's blocks with an offset causal mask.
 
-An int8 pool (engine/kv_quant.py): decodes and prefill chunks after a cached prefix attend
-through the kernel's int8 paths, reading the rows in place (SDPA would gather and dequantize the
-whole context once per layer: a 32-token chunk after 2,048 took 1.35x the CPU in fp32, 1.6x in
-bf16, on a Xeon, and bf16 SDPA strayed past one rounding from fp32 attention over the same rows);
-a chunk with no cached prefix attends on SDPA to its own unquantized K/V (the model's
-`kernel_prefill` is off), so only keys read back from the pool carry the quantization error. Each
-kind of chunk sees the keys it saw before: one after a prefix read its own rows back from the
-pool on SDPA too.
+An int8 pool (engine/kv_quant.py): decodes attend through the paged kernel's int8 path, and a
+prefill chunk after a cached prefix through `prefill_attention`, which widens its context's rows
+once into a dense copy where a float pool would take a query-block path, else reads them in place
+per token (SDPA would gather and dequantize the whole context in torch once per layer: a 32-token
+bf16 chunk after 2,048 took 4× the CPU, bench.kv_int8_prefix); a chunk with no cached prefix
+attends on SDPA to its own unquantized K/V (the model's `kernel_prefill` is off), so only keys
+read back from the pool carry the quantization error. Each kind of chunk sees the keys it saw
+before: one after a prefix read its own rows back from the pool on SDPA too.
 
 Invariant: the new tokens' K/V are written into their slots before attention reads the pool,
 so a chunk attends to itself and to every earlier token of its sequence.
@@ -236,9 +236,10 @@ def paged_attention(
     int8 = kv_quant.is_quantized(kv_cache)
     for p in md.prefills:
         if lib is not None and int8 and p.start_pos > 0 and INT8_PREFIX_ON_KERNEL:
-            # its whole context comes back from the int8 pool either way: the kernel reads the
-            # rows in place, SDPA would gather and dequantize them once per layer
-            lib.paged_attention(
+            # its whole context comes back from the int8 pool either way: the kernel widens the
+            # rows once for its query blocks (or reads them in place per token), where SDPA
+            # would gather and dequantize them in torch once per layer
+            lib.prefill_attention(
                 step_ptr,
                 layer,
                 p.q_start,

@@ -14,7 +14,10 @@
  * Invariants: row (token at position P) sees keys [0, P] (causal within the chunk, the whole
  * cached prefix before it); its weights past its own context are exactly zero. Steps this
  * path cannot take (a sliding window, fp32, head_dim % 32 != 0 or > 256, G > 12) go to the
- * per-token kernel, so any token range is valid input; so does an int8 pool.
+ * per-token kernel, so any token range is valid input. An int8 pool: one sequence's chunk that a
+ * float pool would take in query blocks has its context's rows of the layer widened once into a
+ * dense copy of the activation dtype and runs these paths on it (prefill_i8_dense: bf16 rounds the
+ * widened rows as engine/kv_quant.py's dequantize does); other steps go to the per-token int8 path.
  */
 #include <stdlib.h>
 
@@ -301,11 +304,105 @@ static void prefill8(const Step *s, int32_t layer, int32_t first, int32_t count,
 }
 #endif
 
+/* Whether a float pool's prefill takes a query-block path below (else the per-token kernel). */
+static int blocked_path(const Step *s) {
+    const int G = s->num_heads / s->num_kv_heads;
+    if (s->window != 0 || s->head_dim > 256) return 0;
+#if defined(__AVX512BF16__)
+    return s->bf16 && s->head_dim % 32 == 0 && G <= MAXR;
+#elif defined(DUET_AVX2)
+    return s->head_dim % 16 == 0 && G <= PR;
+#else
+    (void)G;
+    return 0;
+#endif
+}
+
+/* One int8 row (D values, then the fp32 scale) as D elements of the activation dtype: value x scale
+ * in fp32, rounded once to bf16 for bf16 steps (engine/kv_quant.py's dequantize, bitwise). */
+INLINE void dequant_row(const int8_t *src, int D, void *dst, int bf16) {
+    float sc;
+    __builtin_memcpy(&sc, src + D, sizeof sc);
+#if defined(__AVX512F__)
+    if ((D & 15) == 0) {
+        const __m512 vs = _mm512_set1_ps(sc);
+        for (int d = 0; d < D; d += 16)
+            store16(dst, d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + d)))), vs),
+                    bf16);
+        return;
+    }
+#elif defined(DUET_AVX2)
+    if ((D & 7) == 0) {
+        const __m256 vs = _mm256_set1_ps(sc);
+        for (int d = 0; d < D; d += 8)
+            store8(dst, d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + d)))), vs),
+                   bf16);
+        return;
+    }
+#endif
+    for (int d = 0; d < D; d++) store_elem(dst, d, sc * (float)src[d], bf16);
+}
+
+void prefill_attention(const Step *s, int32_t layer, int32_t first, int32_t count, const void *q, int64_t q_stride,
+                       void *out, int64_t out_stride);
+
+/* An int8 pool's prefill chunk (tokens [first, first + count) of one sequence) where a float pool
+ * would take a query-block path: its context's K/V rows of this layer dequantized once into a dense
+ * pool of the activation dtype (rows past the context zero), then prefill_attention on a step over
+ * that copy, so every query block shares the widened keys instead of each token widening them
+ * again. Returns 1 where it does not apply (the per-token int8 path runs). */
+static int prefill_i8_dense(const Step *s, int32_t layer, int32_t first, int32_t count, const void *q,
+                            int64_t q_stride, void *out, int64_t out_stride) {
+    if (count <= 0 || !blocked_path(s)) return 1;
+    const int row = s->token_row[first];
+    int n = 0;
+    for (int t = first; t < first + count; t++) {
+        if (s->token_row[t] != row) return 1;
+        if (s->ctx_lens[t] > n) n = s->ctx_lens[t];
+    }
+    const int bs = s->block_size, D = s->head_dim, RW = D + 4, KVH = s->num_kv_heads;
+    const int64_t nb = (n + bs - 1) / bs, esz = s->bf16 ? 2 : 4, blk = 2 * (int64_t)bs * KVH * D;
+    const int64_t rows = 2 * (int64_t)bs * KVH; /* a block's (kv, offset, kv head) rows */
+    char *dense = (char *)aligned_alloc(64, (size_t)((nb * blk * esz + 63) / 64 * 64));
+    int64_t *table = (int64_t *)calloc((size_t)(row + 1) * (size_t)nb, sizeof(int64_t));
+    if (dense == NULL || table == NULL) {
+        free(dense);
+        free(table);
+        return 1;
+    }
+    const int64_t *src = s->block_tables + (int64_t)row * s->table_width;
+    for (int64_t b = 0; b < nb; b++) table[(int64_t)row * nb + b] = b;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < nb * rows; i++) {
+        const int64_t b = i / rows, r = i % rows, pos = b * bs + (r / KVH) % bs;
+        char *dst = dense + esz * (b * blk + r * D);
+        if (pos >= n) {
+            __builtin_memset(dst, 0, (size_t)(esz * D));
+            continue;
+        }
+        const int8_t *row8 =
+            (const int8_t *)s->cache + src[b] * s->block_stride + (int64_t)layer * s->layer_stride + r * RW;
+        dequant_row(row8, D, dst, s->bf16);
+    }
+    Step d = *s;
+    d.cache = dense;
+    d.layer_stride = blk;
+    d.block_stride = blk;
+    d.block_tables = table;
+    d.table_width = nb;
+    d.kv_int8 = 0;
+    prefill_attention(&d, 0, first, count, q, q_stride, out, out_stride);
+    free(table);
+    free(dense);
+    return 0;
+}
+
 /* Attention for prefill tokens [first, first + count) (same addressing as paged_attention). */
 void prefill_attention(const Step *s, int32_t layer, int32_t first, int32_t count, const void *q, int64_t q_stride,
                        void *out, int64_t out_stride) {
-    if (s->kv_int8) { /* an int8 pool: the per-token path reads it (attention_int8.h) */
-        paged_attention(s, layer, first, count, q, q_stride, out, out_stride);
+    if (s->kv_int8) { /* an int8 pool: widened once for the query blocks, else per token */
+        if (prefill_i8_dense(s, layer, first, count, q, q_stride, out, out_stride) != 0)
+            paged_attention(s, layer, first, count, q, q_stride, out, out_stride);
         return;
     }
     if (prefill_attention_amx(s, layer, first, count, q, q_stride, out, out_stride) == 0) return;

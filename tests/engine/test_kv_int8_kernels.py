@@ -114,13 +114,24 @@ def test_store_bytes_and_attention_match_the_dequantized_pool(
     _close(out, _reference(q_k, heads, c_k, md), dtype, c_k)
 
 
+def _chunk_on(lib_, c_k, md, rope, q_k, heads: int, p) -> torch.Tensor:
+    """prefill_attention of `lib_` for chunk `p` alone: [q_len, heads * dim]."""
+    step = _kstep(c_k, md, rope, heads)
+    o = torch.empty((p.q_len, heads * kv_quant.head_dim(c_k)), dtype=q_k.dtype)
+    lib_.prefill_attention(
+        step.ptr, 1, p.q_start, p.q_len, q_k.data_ptr(), q_k.stride(0), o.data_ptr(), o.stride(0)
+    )
+    return o
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_engine_split_matches_the_torch_path(dtype: torch.dtype) -> None:
     """What the engine runs for an int8 pool: decodes and a chunk after a cached prefix on the
-    int8 kernel (reading the rows in place), a fresh chunk on SDPA over its own unquantized K/V.
-    The fresh chunk's rows equal the torch path's, the decodes' within rounding; the chunk after a
-    prefix is the kernel's own answer bit for bit, within rounding of fp32 attention over the
-    dequantized pool."""
+    int8 kernels (the chunk through prefill_attention: its rows widened once for the query
+    blocks where a float pool would take them, else read in place per token), a fresh chunk on
+    SDPA over its own unquantized K/V. The fresh chunk's rows equal the torch path's, the others
+    are within rounding of it (the same rows in the activation dtype on SDPA), and the chunk
+    after a prefix is the kernel's own answer, bit for bit."""
     heads = SHAPES["smollm2"][0]
     cache, rope, md, qkv = _int8_step(dtype, "smollm2", seed=5)
     q_k, c_k, mixed = _run(lib, cache, rope, md, qkv, heads, kernel_prefill=False)
@@ -128,25 +139,53 @@ def test_engine_split_matches_the_torch_path(dtype: torch.dtype) -> None:
     nd = md.num_decode
     fresh, after = md.prefills
     assert fresh.start_pos == 0 and after.start_pos > 0
-    rows = {name: slice(p.q_start, p.q_start + p.q_len) for name, p in [("f", fresh), ("a", after)]}
-    assert torch.equal(mixed[rows["f"]], torch_only[rows["f"]])
+    f = slice(fresh.q_start, fresh.q_start + fresh.q_len)
+    a = slice(after.q_start, after.q_start + after.q_len)
+    assert torch.equal(mixed[f], torch_only[f])
     _close(mixed[:nd], torch_only[:nd], dtype, c_k)
-    # bf16 SDPA over the dequantized rows strays past one rounding here; the kernel holds
-    reference = _reference(q_k, heads, c_k, md)
-    _close(mixed[rows["a"]], reference[rows["a"]], dtype, c_k)
-    step = _kstep(c_k, md, rope, heads)
-    kernel = torch.empty_like(mixed)
-    lib.paged_attention(
-        step.ptr,
-        1,
-        0,
-        md.num_tokens,
-        q_k.data_ptr(),
-        q_k.stride(0),
-        kernel.data_ptr(),
-        kernel.stride(0),
-    )
-    assert torch.equal(mixed[rows["a"]], kernel[rows["a"]]), "the chunk after a prefix ran on SDPA"
+    _close(mixed[a], torch_only[a], dtype, c_k)
+    kernel = _chunk_on(lib, c_k, md, rope, q_k, heads, after)
+    assert torch.equal(mixed[a], kernel), "the chunk after a prefix ran on SDPA"
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 ISA levels")
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("march", [isa.AVX2, isa.PORTABLE, "native"])
+def test_chunk_after_a_prefix_on_each_build(dtype: torch.dtype, march: str) -> None:
+    """A chunk after a cached prefix through each build's prefill_attention (the AVX2 build's
+    query blocks over the widened rows, the portable per-token path, this CPU's own) against
+    attention over the pool dequantized to the activation dtype (SDPA on the torch path; in
+    bf16, where the build attends per token with K in fp32, fp32 attention over the dequantized
+    pool) and, in fp32, the per-token int8 kernel of the same build."""
+    lib_ = lib if march == "native" else isa.library(march)
+    heads = SHAPES["smollm2"][0]
+    cache, rope, md, qkv = _int8_step(dtype, "smollm2", seed=7)
+    q_k, c_k, _ = _run(lib_, cache, rope, md, qkv, heads, kernel_prefill=False)
+    after = md.prefills[1]
+    a = slice(after.q_start, after.q_start + after.q_len)
+    torch_only = paged_attention(q_k, heads, c_k, 1, md, None, 0, kernel_prefill=False)
+    got = _chunk_on(lib_, c_k, md, rope, q_k, heads, after)
+    if dtype == torch.float32 or march == isa.AVX2:  # AVX2: query blocks in both dtypes
+        _close(got, torch_only[a], dtype, c_k)
+    else:  # the query blocks round the widened rows to bf16 as SDPA's do; per token, K stays fp32
+        try:
+            _close(got, torch_only[a], dtype, c_k)
+        except AssertionError:
+            _close(got, _reference(q_k, heads, c_k, md)[a], dtype, c_k)
+    if dtype == torch.float32:
+        step = _kstep(c_k, md, rope, heads)
+        per_token = torch.empty_like(got)
+        lib_.paged_attention(
+            step.ptr,
+            1,
+            after.q_start,
+            after.q_len,
+            q_k.data_ptr(),
+            q_k.stride(0),
+            per_token.data_ptr(),
+            per_token.stride(0),
+        )
+        _close(got, per_token, dtype, c_k)
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 ISA levels")
