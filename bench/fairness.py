@@ -3,8 +3,8 @@
 Starts a token-echo node (bench.echo_node: the node API, no engine; `--first-token-delay` and
 `--token-delay` stand for an engine's prefill and decode) and two `duet gateway`s in front of
 it whose interactive tier has `--slots` admission slots: one with fair shares (`[tiers]
-fair_share = true`, the default), one first come first served (`fair_share = false`, the
-baseline). Two teams, a and b, of weight 1: each one's fair share is half the slots. Phases,
+fair_share = true`, the default, with its headroom: `--fair-headroom`), one first come first
+served (`fair_share = false`, the baseline). Two teams, a and b, of weight 1: each one's fair share is half the slots. Phases,
 each `--duration-s` long:
 
 1. capacity — team a alone keeps `--flood` × its fair share of requests outstanding (closed
@@ -87,14 +87,24 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         "--token-delay-s", type=float, default=0.01, help="the echo node's time between tokens"
     )
     p.add_argument("--duration-s", type=float, default=20.0, help="each phase's length")
+    p.add_argument(
+        "--fair-headroom",
+        type=int,
+        help="the fair gateway's `[tiers] fair_headroom` (slots kept free of a team beyond its "
+        "share while another active team is under its own; default: the gateway's, "
+        "min(2, slots // 16))",
+    )
     p.add_argument("--seed", type=int, default=0, help="team b's arrival times")
     p.add_argument("--plot", type=Path, help="PNG of each team's tokens/s over the flood phases")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
 
 
-def _config(tmp: Path, port: int, node: str, tokenizer: str, slots: int, fair: bool) -> Path:
+def _config(
+    tmp: Path, port: int, node: str, tokenizer: str, slots: int, fair: bool, headroom: int | None
+) -> Path:
     cfg = tmp / f"gateway-{port}.toml"
+    set_headroom = f"fair_headroom = {headroom}" if fair and headroom is not None else ""
     cfg.write_text(f"""
 [server]
 port = {port}
@@ -108,6 +118,7 @@ max_inflight = {slots}
 interactive_queue = 4096
 interactive_max_wait_s = 600
 fair_share = {"true" if fair else "false"}
+{set_headroom}
 [models.echo]
 tokenizer = {json.dumps(tokenizer)}
 max_model_len = 100000
@@ -239,7 +250,7 @@ def _phase(
 
 def _gateway(tmp: Path, node: str, tokenizer: str, args: argparse.Namespace, fair: bool) -> Proc:
     port = free_port()
-    cfg = _config(tmp, port, node, tokenizer, args.slots, fair)
+    cfg = _config(tmp, port, node, tokenizer, args.slots, fair, args.fair_headroom)
     cmd = [sys.executable, "-m", "duet", "gateway", "--config", str(cfg), "--log-level", "WARNING"]
     env = {"DUET_ADMIN_KEY": args.admin, "DUET_HOME": str(tmp)}
     return Proc(cmd, port, tmp / f"gateway-{port}.log", env=env)
