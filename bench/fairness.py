@@ -148,7 +148,9 @@ def _queue_wait(url: str, admin: str) -> dict[str, dict[str, float]]:
         if not line.startswith("duet:gateway_queue_wait_seconds"):
             continue
         labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
-        name = line.split("{", 1)[0].rsplit("_", 1)[1]  # sum, count or bucket
+        name = line.split("{", 1)[0].rsplit("_", 1)[1]  # sum, count, bucket or created
+        if name not in ("sum", "count", "bucket"):
+            continue
         key = labels["le"] if name == "bucket" else name
         row = out.setdefault(labels.get("team", ""), {})
         row[key] = row.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
