@@ -123,7 +123,10 @@ _Slot = asyncio.Future[None]
 
 
 def _loop_time() -> float:
-    return asyncio.get_running_loop().time()
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:  # a slot given back with no loop running (shutdown): the same clock
+        return time.monotonic()
 
 
 class Admission:
@@ -337,6 +340,10 @@ class Admission:
         )
         if at is None or (self._lapse is not None and self._lapse_at <= at):
             return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # shutting down: no waiter will be served anyway
+            return
         if self._lapse is not None:
             self._lapse.cancel()
 
@@ -345,5 +352,5 @@ class Admission:
             self._dispatch()
 
         # a millisecond past it: the team has lapsed by the clock the next dispatch reads
-        self._lapse = asyncio.get_running_loop().call_later(max(0.0, at - now) + 1e-3, lapse)
+        self._lapse = loop.call_later(max(0.0, at - now) + 1e-3, lapse)
         self._lapse_at = at
