@@ -3,9 +3,9 @@
 Starts a token-echo node (bench.echo_node: the node API, no engine; `--first-token-delay` and
 `--token-delay` stand for an engine's prefill and decode) and two `duet gateway`s in front of
 it whose interactive tier has `--slots` admission slots: one with fair shares (`[tiers]
-fair_share = true`, the default), one first come first served (`fair_share = false`, the
-baseline). Two teams, a and b, of weight 1: each one's fair share is half the slots. Phases,
-each `--duration-s` long:
+fair_share = true`, the default, with its headroom: `--fair-headroom`), one first come first
+served (`fair_share = false`, the baseline). Two teams, a and b, of weight 1: each one's fair
+share is half the slots. Phases, each `--duration-s` long:
 
 1. capacity — team a alone keeps `--flood` × its fair share of requests outstanding (closed
    loop): the tier's throughput when saturated (tokens/s);
@@ -18,8 +18,8 @@ each `--duration-s` long:
 Targets: b's TTFT P90 under the flood within 1.5× of alone, a's throughput ≥ 90 % of the
 capacity left over. Prints a table (or one JSON object with --json); `--plot PATH` draws each
 team's output tokens/s over the flood phases. TTFT is measured at the client, queue wait
-included; the mean queue wait per team is read from the gateway's
-`duet:gateway_queue_wait_seconds`.
+included; each team's mean queue wait, and the bucket bound under which 90 % of team b's
+waits fell, are read from the gateway's `duet:gateway_queue_wait_seconds`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import secrets
 import sys
 import tempfile
@@ -87,14 +88,24 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         "--token-delay-s", type=float, default=0.01, help="the echo node's time between tokens"
     )
     p.add_argument("--duration-s", type=float, default=20.0, help="each phase's length")
+    p.add_argument(
+        "--fair-headroom",
+        type=int,
+        help="the fair gateway's `[tiers] fair_headroom` (slots kept free of a team beyond its "
+        "share while another active team is under its own; default: the gateway's, "
+        "min(2, slots // 16))",
+    )
     p.add_argument("--seed", type=int, default=0, help="team b's arrival times")
     p.add_argument("--plot", type=Path, help="PNG of each team's tokens/s over the flood phases")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
 
 
-def _config(tmp: Path, port: int, node: str, tokenizer: str, slots: int, fair: bool) -> Path:
+def _config(
+    tmp: Path, port: int, node: str, tokenizer: str, slots: int, fair: bool, headroom: int | None
+) -> Path:
     cfg = tmp / f"gateway-{port}.toml"
+    set_headroom = f"fair_headroom = {headroom}" if fair and headroom is not None else ""
     cfg.write_text(f"""
 [server]
 port = {port}
@@ -108,6 +119,7 @@ max_inflight = {slots}
 interactive_queue = 4096
 interactive_max_wait_s = 600
 fair_share = {"true" if fair else "false"}
+{set_headroom}
 [models.echo]
 tokenizer = {json.dumps(tokenizer)}
 max_model_len = 100000
@@ -128,15 +140,32 @@ def _admin(url: str, admin: str, path: str, body: dict[str, Any] | None = None) 
         return json.loads(text) if path != "/metrics" else text.decode()
 
 
-def _queue_wait(url: str, admin: str) -> dict[str, tuple[float, float]]:
-    """(sum, count) of `duet:gateway_queue_wait_seconds` per team, from the gateway's /metrics."""
-    out: dict[str, list[float]] = {}
+def _queue_wait(url: str, admin: str) -> dict[str, dict[str, float]]:
+    """`duet:gateway_queue_wait_seconds` per team, from the gateway's /metrics: its sum, its
+    count, and each bucket's count (keyed by the bucket's bound as written, e.g. "0.005")."""
+    out: dict[str, dict[str, float]] = {}
     for line in _admin(url, admin, "/metrics").splitlines():
-        for part, i in (("_sum{", 0), ("_count{", 1)):
-            if line.startswith("duet:gateway_queue_wait_seconds" + part):
-                team = line.split('team="', 1)[1].split('"', 1)[0]
-                out.setdefault(team, [0.0, 0.0])[i] += float(line.rsplit(" ", 1)[1])
-    return {t: (v[0], v[1]) for t, v in out.items()}
+        if not line.startswith("duet:gateway_queue_wait_seconds"):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+        name = line.split("{", 1)[0].rsplit("_", 1)[1]  # sum, count, bucket or created
+        if name not in ("sum", "count", "bucket"):
+            continue
+        key = labels["le"] if name == "bucket" else name
+        row = out.setdefault(labels.get("team", ""), {})
+        row[key] = row.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _wait_p90(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """The least bucket bound at or under which 90 % of the phase's waits fell (the
+    histogram's resolution: a bound, not the exact P90)."""
+    n = after.get("count", 0.0) - before.get("count", 0.0)
+    bounds = sorted((float(k), k) for k in after if k not in ("sum", "count"))
+    for bound, k in bounds:
+        if n > 0 and after[k] - before.get(k, 0.0) >= 0.9 * n:
+            return bound
+    return None
 
 
 class Phase:
@@ -230,16 +259,19 @@ def _phase(
     phase = Phase(url, keys, args)
     result = asyncio.run(phase.run(flood, rate))
     after = _queue_wait(url, admin)
-    for team, (total, n) in after.items():
-        t0, n0 = before.get(team, (0.0, 0.0))
-        if team in result and n > n0:
-            result[team]["queue_wait_mean_s"] = round((total - t0) / (n - n0), 4)
+    for team, row in after.items():
+        was = before.get(team, {})
+        n = row.get("count", 0.0) - was.get("count", 0.0)
+        if team in result and n > 0:
+            total = row.get("sum", 0.0) - was.get("sum", 0.0)
+            result[team]["queue_wait_mean_s"] = round(total / n, 4)
+            result[team]["queue_wait_p90_le_s"] = _wait_p90(was, row)
     return result, phase
 
 
 def _gateway(tmp: Path, node: str, tokenizer: str, args: argparse.Namespace, fair: bool) -> Proc:
     port = free_port()
-    cfg = _config(tmp, port, node, tokenizer, args.slots, fair)
+    cfg = _config(tmp, port, node, tokenizer, args.slots, fair, args.fair_headroom)
     cmd = [sys.executable, "-m", "duet", "gateway", "--config", str(cfg), "--log-level", "WARNING"]
     env = {"DUET_ADMIN_KEY": args.admin, "DUET_HOME": str(tmp)}
     return Proc(cmd, port, tmp / f"gateway-{port}.log", env=env)
@@ -319,8 +351,8 @@ def _table(res: dict[str, Any]) -> str:
         f"team b alone ({res['b_rate_per_s']} requests/s): TTFT P50 {alone['ttft_p50_s']} s, "
         f"P90 {alone['ttft_p90_s']} s",
         "| order | b TTFT P50 / P90 (s) | P90 ×alone | b tokens/s | a tokens/s | a / leftover "
-        "| mean wait a / b (s) | errors |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mean wait a / b (s) | b wait P90 ≤ (s) | errors |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in res["flood"].items():
         a, b = r["a"], r["b"]
@@ -328,6 +360,7 @@ def _table(res: dict[str, Any]) -> str:
             f"| {name} | {b['ttft_p50_s']} / {b['ttft_p90_s']} | {r['b_ttft_p90_ratio']} "
             f"| {b['tokens_per_s']} | {a['tokens_per_s']} | {r['a_of_leftover']} "
             f"| {a.get('queue_wait_mean_s')} / {b.get('queue_wait_mean_s')} "
+            f"| {b.get('queue_wait_p90_le_s')} "
             f"| {a['errors'] + b['errors']} |"
         )
     return "\n".join(rows)

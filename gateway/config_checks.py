@@ -192,6 +192,16 @@ def check_routing(cfg: GatewayConfig) -> None:
     w = cfg.tiers.fair_output_weight
     if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 1000:
         raise ConfigError(f"[tiers] fair_output_weight must be a number in [0, 1000], got {w!r}")
+    h = cfg.tiers.fair_headroom
+    if h is not None and (
+        not isinstance(h, int) or isinstance(h, bool) or not 0 <= h <= cfg.tiers.max_inflight
+    ):
+        raise ConfigError(
+            f"[tiers] fair_headroom must be an integer in [0, max_inflight], got {h!r}"
+        )
+    a = cfg.tiers.fair_active_s
+    if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 < a <= 3600:
+        raise ConfigError(f"[tiers] fair_active_s must be seconds in (0, 3600], got {a!r}")
     ra = cfg.tiers.stream_read_ahead_bytes
     if not isinstance(ra, int) or isinstance(ra, bool) or not 0 <= ra <= 1 << 30:
         raise ConfigError(

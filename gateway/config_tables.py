@@ -234,9 +234,25 @@ class TierConfig:
     #: false: a saturated tier serves its waiters first come first served, whatever their team
     #: (the order before fair shares; kept for comparing the two)
     fair_share: bool = True
+    #: slots kept free of a team beyond its fair share while another active team holds less
+    #: than its own, so that team's next request starts at once instead of waiting for a slot
+    #: to free (gateway/serving/headroom.py); unset: min(2, max_inflight // 16); 0: none
+    fair_headroom: int | None = None
+    #: a team that asked for a slot within this many seconds (or waits for one) is active: it
+    #: counts in the shares, and its room under its share is held for it
+    fair_active_s: float = 5.0
     #: a stream is read from its node ahead of a slow client up to this many bytes, its slot
     #: given back once the node is done (gateway/serving/read_ahead.py; 0: off)
     stream_read_ahead_bytes: int = 256 * 1024
+
+    @property
+    def headroom(self) -> int:
+        """The slots held by `fair_headroom`, its default applied (none without fair shares)."""
+        if not self.fair_share:
+            return 0
+        if self.fair_headroom is None:
+            return min(2, self.max_inflight // 16)
+        return self.fair_headroom
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,11 @@ divided by the team's weight, so a team of weight 2 gets twice the tokens of a t
 while both wait.
 
 Invariants:
-- `pop` gives the head of the backlogged team with the lowest counter; ties go to the team
-  with fewer requests running (a team just lifted to another's counter is level with it in
-  past service, not in present), then to the one whose head waited longest. Within a team,
-  first come first served.
+- `pop` gives the head of the backlogged team with the lowest counter, among the teams its
+  caller lets start (a team the tier's headroom holds back, headroom.py, is passed over and
+  keeps its place); ties go to the team with fewer requests running (a team just lifted to
+  another's counter is level with it in past service, not in present), then to the one whose
+  head waited longest. Within a team, first come first served.
 - A team that starts waiting is lifted to the lowest counter among the teams already waiting
   (to the counter of the last team served when none waits): idle time is not banked, so a team
   quiet for an hour cannot then hold the tier for an hour.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -86,6 +88,17 @@ class FairQueue(Generic[T]):
     def _key(self, claim: Claim) -> str:
         return claim.team if self._by_team else ""
 
+    def key(self, team: str) -> str:
+        """The name `team` is counted under here (every team is one when fair shares are off)."""
+        return team if self._by_team else ""
+
+    def running(self) -> Mapping[str, int]:
+        """Each team's requests holding a slot of this tier (teams holding none left out)."""
+        return self._running
+
+    def teams_waiting(self) -> Collection[str]:
+        return self._waiting.keys()
+
     def push(self, claim: Claim, item: T) -> Waiter[T]:
         team = self._key(claim)
         q = self._waiting.get(team)
@@ -98,12 +111,16 @@ class FairQueue(Generic[T]):
         self._n += 1
         return w
 
-    def pop(self) -> Waiter[T] | None:
-        """The next waiter to serve (charged its prompt), or None when nobody waits."""
-        if not self._waiting:
+    def pop(self, may_start: Callable[[str], bool] | None = None) -> Waiter[T] | None:
+        """The next waiter to serve (charged its prompt), or None when nobody waits; with
+        `may_start`, the next among the teams it admits (by `key`), None when it admits none."""
+        teams: Collection[str] = self._waiting
+        if may_start is not None:
+            teams = [t for t in self._waiting if may_start(t)]
+        if not teams:
             return None
         team = min(
-            self._waiting,
+            teams,
             key=lambda t: (self._counters[t], self._running.get(t, 0), self._waiting[t][0].seq),
         )
         q = self._waiting[team]

@@ -3,13 +3,19 @@
 Interactive and batch traffic wait in separate bounded queues, each with a maximum wait. A
 freed slot goes to an interactive waiter first, batch only when no interactive request waits;
 inside a tier it goes to the team with the least attained service (fair_queue.py), first come
-first served within a team. When the gateway is saturated batch is shed first: a batch
-arrival that would wait behind interactive traffic, or finds its queue full, is refused at
-once (503 + Retry-After); interactive requests are refused only when their own queue is full
-or their wait runs out. A full queue refuses the team that fills it most: its newest waiter
-makes room for another team's request. Every wait and refusal is counted per team and tier
-(`duet:gateway_queue_wait_seconds`, `duet:gateway_admission_refusals{team,tier,reason}`), a
-refusal names its reason (`x-duet-shed-reason`) and an answer its wait (`x-duet-queue-ms`).
+first served within a team. A few slots stay free of a team beyond its fair share while another
+team that asked recently holds less than its own (headroom.py): that team's next request starts
+at once, and a team alone may still take every slot. When the gateway is saturated batch is
+shed first: a batch arrival that would wait behind interactive traffic, or finds its queue full,
+is refused at once (503 + Retry-After); interactive requests are refused only when their own
+queue is full or their wait runs out. A full queue refuses the team that fills it most: its
+newest waiter makes room for another team's request. Every wait and refusal is counted per team
+and tier (`duet:gateway_queue_wait_seconds`, `duet:gateway_admission_refusals{team,tier,reason}`),
+a refusal names its reason (`x-duet-shed-reason`) and an answer its wait (`x-duet-queue-ms`).
+
+Invariant: a free slot and a waiter coexist only while the headroom holds that waiter's team
+back (or, for a batch waiter, an interactive one's); a waiter it no longer holds (a slot freed,
+another team's activity lapsed: a timer) gets the slot at once.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from gateway.backends.base import Shed
 from gateway.config import TeamPolicy, Tier, TierConfig
 from gateway.metrics import GatewayMetrics
 from gateway.serving.fair_queue import Claim, FairQueue, Waiter
+from gateway.serving.headroom import Grant, Headroom
 from protocol.openai import APIError
 
 #: the x-duet-tier header's values (the lookup types the name as a Tier)
@@ -115,8 +122,22 @@ class Turn:
 _Slot = asyncio.Future[None]
 
 
+def _loop_time() -> float:
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:  # a slot given back with no loop running (shutdown): the same clock
+        return time.monotonic()
+
+
 class Admission:
-    def __init__(self, cfg: TierConfig, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self,
+        cfg: TierConfig,
+        metrics: GatewayMetrics,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        """`clock`: the seconds the headroom judges a team's activity by; the event loop's clock
+        by default, which its timers run on too (the simulator's loop runs on virtual time)."""
         self.cfg = cfg
         self.metrics = metrics
         self.running = 0
@@ -126,6 +147,13 @@ class Admission:
             t: FairQueue(cfg.fair_output_weight, by_team=cfg.fair_share)
             for t in ("interactive", "batch")
         }
+        self.headroom = {
+            t: Headroom(cfg.max_inflight, cfg.headroom, cfg.fair_active_s) for t in self.queues
+        }
+        self._clock = clock or _loop_time
+        #: a dispatch at the time the first held room lapses (`_hold_until_lapse`)
+        self._lapse: asyncio.TimerHandle | None = None
+        self._lapse_at = 0.0
         self._limits = {"interactive": cfg.interactive_queue, "batch": cfg.batch_queue}
         self._waits = {"interactive": cfg.interactive_max_wait_s, "batch": cfg.batch_max_wait_s}
         for tier in self.queues:  # each tier's depth shows from the start, 0
@@ -188,9 +216,34 @@ class Admission:
         self.metrics.admission_refusals.labels(team=claim.team, tier=tier, reason=reason).inc()
         return Shed(message, self._waits[tier], headers={"x-duet-shed-reason": reason})
 
+    def _grant(self, tier: str, team: str, now: float) -> Grant:
+        """Whether `team` (a fair queue's key) may take a free slot of `tier` now."""
+        q = self.queues[tier]
+        free = self.cfg.max_inflight - self.running
+        return self.headroom[tier].grant(team, free, q.running(), q.teams_waiting(), now)
+
+    def _starts_at_once(self, tier: str, claim: Claim, now: float) -> bool:
+        """An arrival takes a free slot without waiting: none of its tier's waiters may (the
+        invariant), interactive goes before batch, and the headroom does not hold it."""
+        if self.running >= self.cfg.max_inflight:
+            return False
+        if not any(self.queues.values()):
+            return self._grant(tier, self.queues[tier].key(claim.team), now).starts
+        if tier == "batch" and self.queues["interactive"]:
+            return False
+        q = self.queues[tier]
+        key = q.key(claim.team)
+        # the waiters left are held, so a team of theirs is held too (headroom.py): only a
+        # team within its share passes them, and it has none of its own waiting
+        return not q.waiting(claim.team) and self._grant(tier, key, now).starts
+
     async def _acquire(self, tier: str, claim: Claim, max_wait_s: float | None = None) -> None:
         q = self.queues[tier]
-        if self.running < self.cfg.max_inflight and not any(self.queues.values()):
+        now = self._clock()
+        self.headroom[tier].asked(q.key(claim.team), claim.weight, now)
+        if self.running < self.cfg.max_inflight and any(self.queues.values()):
+            self._dispatch()  # the arrival changed the shares: a held waiter may start now
+        if self._starts_at_once(tier, claim, now):
             self.running += 1
             q.admitted(claim)
             return
@@ -213,6 +266,8 @@ class Admission:
         fut: _Slot = asyncio.get_running_loop().create_future()
         waiter = q.push(claim, fut)
         self._gauge(tier)
+        if self.running < self.cfg.max_inflight:  # held back by the headroom
+            self._hold_until_lapse(now)
         wait = self._waits[tier] if max_wait_s is None else min(max_wait_s, self._waits[tier])
         try:
             async with asyncio.timeout(wait):
@@ -244,15 +299,58 @@ class Admission:
         self._gauge(tier)
 
     def _release(self) -> None:
+        self.running -= 1
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Free slots to the waiters that may take them: interactive first, batch only while no
+        interactive request waits (held ones included: the headroom is theirs)."""
+        now = self._clock()
         for tier in ("interactive", "batch"):
             q = self.queues[tier]
             if not q:  # nobody waits: the gauge already says 0 (no set per request)
                 continue
-            while (w := q.pop()) is not None:
-                if not w.item.done():
-                    w.item.set_result(None)  # the slot passes on: running stays the same
-                    self._gauge(tier)
-                    return
-                q.refund(w.claim)
+
+            def may_start(team: str, tier: str = tier) -> bool:
+                return self._grant(tier, team, now).starts
+
+            while self.running < self.cfg.max_inflight and (w := q.pop(may_start)) is not None:
+                if w.item.done():  # gave up as the slot came: charged back, the slot stays
+                    q.refund(w.claim)
+                    continue
+                w.item.set_result(None)
+                self.running += 1
             self._gauge(tier)
-        self.running -= 1
+            if q:
+                break
+        if self.running < self.cfg.max_inflight and any(self.queues.values()):
+            self._hold_until_lapse(now)
+
+    def _hold_until_lapse(self, now: float) -> None:
+        """Slots are free and every waiter is held: dispatch again when the first active team
+        that holds them stops being active, so that no slot is held for a team gone quiet
+        until some other slot frees."""
+        at = min(
+            (
+                t
+                for tier, h in self.headroom.items()
+                if (t := h.lapses(self.queues[tier].teams_waiting(), now)) is not None
+            ),
+            default=None,
+        )
+        if at is None or (self._lapse is not None and self._lapse_at <= at):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # shutting down: no waiter will be served anyway
+            return
+        if self._lapse is not None:
+            self._lapse.cancel()
+
+        def lapse() -> None:
+            self._lapse = None
+            self._dispatch()
+
+        # a millisecond past it: the team has lapsed by the clock the next dispatch reads
+        self._lapse = loop.call_later(max(0.0, at - now) + 1e-3, lapse)
+        self._lapse_at = at

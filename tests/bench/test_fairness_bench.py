@@ -11,6 +11,7 @@ def test_fairness_bench_prints_json(tiny_llama: Path, tmp_path: Path) -> None:
     plot = tmp_path / "fair.png"
     args = ["--json", "--tokenizer", str(tiny_llama), "--slots", "2", "--flood", "2"]
     args += ["--duration-s", "2", "--max-tokens", "4", "--first-token-delay-s", "0.05"]
+    args += ["--fair-headroom", "1"]
     proc = subprocess.run(
         [sys.executable, "-m", "duet", "bench", "fairness", *args, "--plot", str(plot)],
         capture_output=True,
@@ -27,5 +28,6 @@ def test_fairness_bench_prints_json(tiny_llama: Path, tmp_path: Path) -> None:
         assert run["a"]["errors"] == run["b"]["errors"] == 0
         assert run["a"]["requests"] > 0 and run["b"]["requests"] > 0
         assert {"b_ttft_p90_ratio", "a_of_leftover", "meets_targets"} <= set(run)
+        assert {"queue_wait_mean_s", "queue_wait_p90_le_s"} <= set(run["b"])
         assert set(out["timelines"][order]) == {"a", "b"}
     assert plot.stat().st_size > 0

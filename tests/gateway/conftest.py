@@ -1,6 +1,6 @@
 """Gateway test fixtures: a real PostgreSQL server (pgserver) and fresh databases on it, and a
-one-slot gateway in front of one node. The node processes of the P/D tests are
-tests/conftest.py's `pd_nodes`; COMMON is their arguments."""
+gateway in front of one node (one slot, or the tiers a test asks for). The node processes of
+the P/D tests are tests/conftest.py's `pd_nodes`; COMMON is their arguments."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,15 +66,17 @@ def postgres_db(postgres: str) -> str:
 
 
 @dataclass(frozen=True)
-class OneSlot:
+class GatewayOnNode:
+    """A real gateway in front of one real node, both running."""
+
     gateway: Proc
     node: Proc
 
     @contextmanager
     def node_paused(self) -> Iterator[None]:
-        """The node SIGSTOPped for the block: a request the gateway admits meanwhile holds the one
-        slot until the block ends, however fast the node would have answered it (its kernel still
-        acknowledges, and the gateway waits read_timeout_s for a first token)."""
+        """The node SIGSTOPped for the block: a request the gateway admits meanwhile holds its
+        slot until the block ends, however fast the node would have answered it (its kernel
+        still acknowledges, and the gateway waits read_timeout_s for a first token)."""
         os.kill(self.node.proc.pid, signal.SIGSTOP)
         try:
             yield
@@ -81,11 +84,10 @@ class OneSlot:
             os.kill(self.node.proc.pid, signal.SIGCONT)
 
 
-@pytest.fixture
-def one_slot(tiny_llama: Path, tmp_path: Path) -> Iterator[OneSlot]:
-    """A real gateway with one slot (`max_inflight = 1`) in front of one real node (`both`),
-    running; an interactive request may wait up to 300 s for the slot. Fresh for each test: the
-    tests count its waits and refusals."""
+@contextmanager
+def gateway_on_node(tiny_llama: Path, tmp_path: Path, **tiers: Any) -> Iterator[GatewayOnNode]:
+    """A real gateway whose `[tiers]` are `tiers` in front of one real node (`both`), running;
+    an interactive request may wait up to 300 s for a slot."""
     node = duet_node(
         "both",
         tiny_llama,
@@ -100,15 +102,23 @@ def one_slot(tiny_llama: Path, tmp_path: Path) -> Iterator[OneSlot]:
     g = gateway_proc(
         tmp_path,
         {MODEL: tiny_model(tiny_llama, both=[node.url])},
-        # no reading ahead of the client: the tests hold the one slot with a stream they do not
-        # read, which a read-ahead would finish at the node and free
-        tiers={"max_inflight": 1, "interactive_max_wait_s": 300, "stream_read_ahead_bytes": 0},
+        # no reading ahead of the client: the tests hold a slot with a stream they do not read,
+        # which a read-ahead would finish at the node and free
+        tiers={"interactive_max_wait_s": 300, "stream_read_ahead_bytes": 0, **tiers},
     )
     with running(node, g):
-        yield OneSlot(g, node)
+        yield GatewayOnNode(g, node)
 
 
 @pytest.fixture
-def one_slot_gateway(one_slot: OneSlot) -> Proc:
+def one_slot(tiny_llama: Path, tmp_path: Path) -> Iterator[GatewayOnNode]:
+    """A real gateway with one slot (`max_inflight = 1`) in front of one real node
+    (`gateway_on_node`). Fresh for each test: the tests count its waits and refusals."""
+    with gateway_on_node(tiny_llama, tmp_path, max_inflight=1) as pair:
+        yield pair
+
+
+@pytest.fixture
+def one_slot_gateway(one_slot: GatewayOnNode) -> Proc:
     """`one_slot`'s gateway."""
     return one_slot.gateway

@@ -14,7 +14,7 @@ from gateway.config import ConfigError, TierConfig, parse_config
 from gateway.metrics import GatewayMetrics
 from gateway.serving.fair_queue import Claim
 from gateway.serving.tiers import Admission, Shed
-from tests.gateway.conftest import OneSlot
+from tests.gateway.conftest import GatewayOnNode
 from tests.gateway.helpers import MODEL, http, make_team, scrape
 from tests.wait import until
 
@@ -122,7 +122,7 @@ def test_team_weight_is_checked() -> None:
         parse_config({**base, "tiers": {"fair_output_weight": -1}})
 
 
-async def test_a_flood_does_not_delay_another_team_beyond_its_turn(one_slot: OneSlot) -> None:
+async def test_a_flood_does_not_delay_another_team_beyond_its_turn(one_slot: GatewayOnNode) -> None:
     """Through a real gateway (one slot) and a real node: team a holds the slot with a long
     stream and queues three long requests; team b's one request, sent last, is served next —
     it has finished before any of a's queued ones has. The node is paused while the queue forms,

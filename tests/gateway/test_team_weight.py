@@ -18,7 +18,7 @@ import pytest
 
 from gateway.accounts.store import open_store
 from gateway.accounts.store.base import Team
-from tests.gateway.conftest import OneSlot
+from tests.gateway.conftest import GatewayOnNode
 from tests.gateway.helpers import MODEL, http, make_team
 from tests.procs import Proc
 from tests.wait import until
@@ -112,7 +112,9 @@ def test_the_admin_api_sets_checks_and_shows_the_weight(one_slot_gateway: Proc) 
     assert status == 200 and body["weight"] is None and body["rpm"] == 5, body
 
 
-async def test_a_patched_weight_orders_the_busy_tier_without_a_restart(one_slot: OneSlot) -> None:
+async def test_a_patched_weight_orders_the_busy_tier_without_a_restart(
+    one_slot: GatewayOnNode,
+) -> None:
     """Team a holds the one slot and queues one long request; team b queues two short ones.
     b's first goes at the first freed slot (b joined level with a, and a's holder was charged
     its 400 output tokens). Then the weights decide: at weight 1 b's first short request cost
