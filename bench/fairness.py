@@ -93,7 +93,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         help="the fair gateway's `[tiers] fair_headroom` (slots kept free of a team beyond its "
         "share while another active team is under its own; default: the gateway's, "
-        "min(2, slots // 16))",
+        "1 from 8 slots, 2 from 64)",
     )
     p.add_argument("--seed", type=int, default=0, help="team b's arrival times")
     p.add_argument("--plot", type=Path, help="PNG of each team's tokens/s over the flood phases")

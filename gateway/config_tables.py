@@ -236,7 +236,8 @@ class TierConfig:
     fair_share: bool = True
     #: slots kept free of a team beyond its fair share while another active team holds less
     #: than its own, so that team's next request starts at once instead of waiting for a slot
-    #: to free (gateway/serving/headroom.py); unset: min(2, max_inflight // 16); 0: none
+    #: to free (gateway/serving/headroom.py); unset: 1 from 8 slots, 2 from 64 (a flood keeps
+    #: 31 of 32 slots' worth where another team is active); 0: none
     fair_headroom: int | None = None
     #: a team that asked for a slot within this many seconds (or waits for one) is active: it
     #: counts in the shares, and its room under its share is held for it
@@ -251,7 +252,7 @@ class TierConfig:
         if not self.fair_share:
             return 0
         if self.fair_headroom is None:
-            return min(2, self.max_inflight // 16)
+            return 0 if self.max_inflight < 8 else min(2, max(1, self.max_inflight // 32))
         return self.fair_headroom
 
 

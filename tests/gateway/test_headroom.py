@@ -106,9 +106,11 @@ def test_no_headroom_holds_nothing() -> None:
 def test_the_settings_and_their_default() -> None:
     model = {"kind": "cluster", "tokenizer": "t", "static": {"both": ["http://127.0.0.1:9"]}}
     base = {"store": {"url": "sqlite:///tmp/x.db"}, "models": {"m": model}}
-    assert parse_config(base).tiers.headroom == 2  # 256 slots: min(2, 256 // 16)
-    assert TierConfig(max_inflight=16).headroom == 1
-    assert TierConfig(max_inflight=8).headroom == 0
+    assert parse_config(base).tiers.headroom == 2  # 256 slots
+    assert TierConfig(max_inflight=64).headroom == 2
+    assert TierConfig(max_inflight=32).headroom == 1
+    assert TierConfig(max_inflight=8).headroom == 1
+    assert TierConfig(max_inflight=7).headroom == 0
     assert TierConfig(max_inflight=8, fair_headroom=3).headroom == 3
     assert TierConfig(fair_share=False).headroom == 0  # first come first served holds nothing
     for bad in (-1, 1.5, True, 257):
