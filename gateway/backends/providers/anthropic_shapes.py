@@ -7,7 +7,8 @@ back). Keeping the names here means the two directions cannot drift apart.
 
 Invariants: `FINISH_REASONS` inverts `STOP_REASONS` on every value an OpenAI answer can carry;
 `status_of` and `error_type_of` agree on the seven types Anthropic documents; usage: Anthropic's
-`input_tokens` excludes cache reads and writes, OpenAI's `prompt_tokens` includes them.
+`input_tokens` excludes cache reads and writes, OpenAI's `prompt_tokens` includes them (and its
+`cached_tokens` are the reads, the gateway's `cache_write_tokens` the writes).
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def error_type_of(status: int) -> str:
 
 
 def anthropic_usage(u: Any) -> TokenUsage:
-    """An Anthropic usage object as TokenUsage (cache reads and writes count as prompt tokens)."""
+    """An Anthropic usage object as TokenUsage (cache reads and writes count as prompt tokens,
+    and are said as what they are: the writes are billed at the cache-write price)."""
     u = u if isinstance(u, dict) else {}
 
     def n(k: str) -> int:
@@ -87,6 +89,7 @@ def anthropic_usage(u: Any) -> TokenUsage:
         prompt_tokens=n("input_tokens") + read + write,
         completion_tokens=n("output_tokens"),
         cached_tokens=read,
+        cache_write_tokens=write,
     )
 
 
