@@ -135,6 +135,8 @@ def provider_table(m: ModelConfig) -> dict[str, Any]:
     }
     if m.cached_input_usd_per_mtok is not None:
         t["cached_input_price_per_m"] = m.cached_input_usd_per_mtok
+    if m.cache_write_usd_per_mtok is not None:
+        t["cache_write_input_price_per_m"] = m.cache_write_usd_per_mtok
     return t
 
 

@@ -32,6 +32,9 @@ class Accounting:
     prompt_sent: bool = False
     #: the provider reported its own token counts (an external model's usage)
     usage_reported: bool = False
+    #: the prompt tokens the provider said it wrote to its prompt cache (Anthropic's
+    #: `cache_creation_input_tokens`); None: no provider said (the nodes' figure is derived)
+    reported_cache_writes: int | None = None
     #: times the stream moved to another node after its decode node died (cluster only)
     migrations: int = 0
     #: completion tokens of each decode leg of sample 0, in order (one entry unless migrated)
@@ -45,8 +48,13 @@ class Accounting:
 
     @property
     def cache_write_tokens(self) -> int:
-        """Tokens of the kept prefix this request computed and wrote to the cache (those it did
-        not read from it): Anthropic's `cache_creation_input_tokens`, billed at the write price."""
+        """Prompt tokens this request wrote to a cache, billed at the write price (Anthropic's
+        `cache_creation_input_tokens`): what its provider reported, the provider's own count
+        being what it bills; else the tokens of the kept prefix the nodes computed (those they
+        did not read from the cache). Never more than the prompt's tokens not read."""
+        fresh = max(0, self.prompt_tokens - self.cached_tokens)
+        if self.reported_cache_writes is not None:
+            return min(max(self.reported_cache_writes, 0), fresh)
         return max(0, min(self.retained_tokens, self.prompt_tokens) - self.cached_tokens)
 
     @property

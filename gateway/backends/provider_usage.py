@@ -112,6 +112,9 @@ def answered(out: Accounting, usage: TokenUsage, provider: str) -> None:
     """The provider's own figures for its answer, into `out`."""
     out.prompt_tokens = usage.prompt_tokens
     out.cached_tokens = usage.cached_tokens
+    # the provider's figure, none included: a cache it wrote nothing to bills no writes,
+    # whatever prefix the client marked
+    out.reported_cache_writes = usage.cache_write_tokens
     if not out.nodes:
         out.nodes.append(f"provider:{provider}")
 

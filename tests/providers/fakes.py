@@ -109,6 +109,13 @@ class FakeProvider:
     #: what it bills for the rest of the prompt: tool definitions, tool_choice, response_format
     #: (providers render them into the prompt); nothing by default
     request_tokens: Callable[[dict[str, Any]], int] = lambda body: 0
+    #: what it reports as read from its prompt cache: on the OpenAI wire within
+    #: `prompt_tokens` (`prompt_tokens_details.cached_tokens`), on Anthropic's beside
+    #: `input_tokens` (`cache_read_input_tokens`); none by default
+    cache_read: int = 0
+    #: what it reports as written to that cache (Anthropic's `cache_creation_input_tokens`,
+    #: beside `input_tokens`; OpenAI's API has no such figure); none by default
+    cache_write: int = 0
     faults: collections.deque[Fault] = field(default_factory=collections.deque)
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
@@ -240,12 +247,12 @@ class FakeProvider:
             words, finish = words[:limit], "length"
         text_parts = [w if i == 0 else " " + w for i, w in enumerate(words)]
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex[:12]}", int(time.time()), body["model"]
-        billed = self.prompt_tokens(body["messages"]) + self.request_tokens(body)
+        billed = self.prompt_tokens(body["messages"]) + self.request_tokens(body) + self.cache_read
         usage = {
             "prompt_tokens": billed,
             "completion_tokens": len(words),
             "total_tokens": billed + len(words),
-            "prompt_tokens_details": {"cached_tokens": 0},
+            "prompt_tokens_details": {"cached_tokens": self.cache_read},
         }
         if not body.get("stream"):
             return web.json_response(
@@ -408,12 +415,7 @@ class FakeProvider:
                     "content": [*thought, {"type": "text", "text": "".join(parts)}],
                     "stop_reason": stop,
                     "stop_sequence": None,
-                    "usage": {
-                        "input_tokens": prompt,
-                        "output_tokens": len(words),
-                        "cache_creation_input_tokens": 0,
-                        "cache_read_input_tokens": 0,
-                    },
+                    "usage": {**self._cache_counts(prompt), "output_tokens": len(words)},
                 }
             )
         events = [
@@ -429,7 +431,7 @@ class FakeProvider:
                         "content": [],
                         "stop_reason": None,
                         "stop_sequence": None,
-                        "usage": {"input_tokens": prompt, "output_tokens": 1},
+                        "usage": {**self._cache_counts(prompt), "output_tokens": 1},
                     },
                 },
             ),
@@ -462,12 +464,22 @@ class FakeProvider:
                 {
                     "type": "message_delta",
                     "delta": {"stop_reason": stop, "stop_sequence": None},
-                    "usage": {"output_tokens": len(words)},
+                    # as the API does now: the final input counts again, with the output's
+                    "usage": {**self._cache_counts(prompt), "output_tokens": len(words)},
                 },
             ),
             _sse("message_stop", {"type": "message_stop"}),
         ]
         return await self._stream(request, events, fault)
+
+    def _cache_counts(self, prompt: int) -> dict[str, int]:
+        """Anthropic's input counts: the prompt's words are `input_tokens`, the cache's reads
+        and writes come on top (a cached prefix the words do not show)."""
+        return {
+            "input_tokens": prompt,
+            "cache_creation_input_tokens": self.cache_write,
+            "cache_read_input_tokens": self.cache_read,
+        }
 
     async def _anthropic_tool(
         self,

@@ -11,7 +11,7 @@ from typing import Any
 import openai.types.chat as oat
 import pytest
 
-from gateway.backends.providers import Provider, ProviderError
+from gateway.backends.providers import Provider, ProviderError, TokenUsage
 from tests.providers.conftest import Sleeps
 from tests.providers.fakes import FakeProvider, Fault
 
@@ -95,6 +95,28 @@ async def test_stream_events_become_chunks(
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == 8
     assert chunks[-1]["usage"]["completion_tokens"] == 2
     assert fake_anthropic.requests[0]["stream"] is True
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_cache_reads_and_writes_are_said_apart_and_priced_apart(
+    fake_anthropic: FakeProvider, make_provider: Callable[..., Provider], stream: bool
+) -> None:
+    """Anthropic's `cache_creation_input_tokens` are prompt tokens written to its cache: they
+    count once in the prompt, are said as `cache_write_tokens` (reads as `cached_tokens`),
+    and cost the cache-write price."""
+    fake_anthropic.cache_read, fake_anthropic.cache_write = 40, 100
+    p = make_provider(
+        fake_anthropic, cached_input_price_per_m=0.2, cache_write_input_price_per_m=2.5
+    )
+    if stream:
+        usage = (await collect(p, BODY))[-1]["usage"]
+    else:
+        usage = (await p.chat(BODY)).response["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (8 + 40 + 100, 3)
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 40, "cache_write_tokens": 100}
+    u = TokenUsage.from_openai(usage)
+    assert u is not None and (u.cached_tokens, u.cache_write_tokens) == (40, 100)
+    assert p.cost(u) == pytest.approx((8 * 2 + 40 * 0.2 + 100 * 2.5 + 3 * 10) / 1e6)
 
 
 async def test_tool_calls_round_trip(

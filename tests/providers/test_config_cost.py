@@ -33,6 +33,7 @@ def test_defaults_and_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"base_url": "ftp://x"}, "base_url"),
         ({"api_key_env": "sk-123"}, "api_key_env"),
         ({"input_price_per_m": -1}, "input_price_per_m"),
+        ({"cache_write_input_price_per_m": -1}, "cache_write_input_price_per_m"),
         ({"context_length": 0}, "context_length"),
         ({"tiers": []}, "tiers"),
         ({"tiers": ["gold"]}, "tiers"),
@@ -67,6 +68,23 @@ def test_cost_uses_the_provider_prices() -> None:
         == 0
     )
     assert TokenUsage.from_openai({"prompt_tokens": -1, "completion_tokens": 2}) is None
+
+
+def test_cache_writes_cost_the_write_price() -> None:
+    u = TokenUsage(
+        prompt_tokens=1_000_000,
+        completion_tokens=0,
+        cached_tokens=200_000,
+        cache_write_tokens=300_000,
+    )
+    assert cost_usd(u, 3.0, 15.0, 0.3, 3.75) == pytest.approx(0.5 * 3 + 0.2 * 0.3 + 0.3 * 3.75)
+    assert cost_usd(u, 3.0, 15.0) == pytest.approx(3.0)  # no cache prices: all at the input's
+    # a write figure the rest of the prompt cannot hold is not believed
+    said = {"prompt_tokens": 5, "completion_tokens": 2}
+    details = {"cached_tokens": 3, "cache_write_tokens": 3}
+    assert (
+        TokenUsage.from_openai({**said, "prompt_tokens_details": details}).cache_write_tokens == 0
+    )
 
 
 def test_build_providers_refuses_duplicate_names() -> None:

@@ -5,6 +5,12 @@ from __future__ import annotations
 import pytest
 
 from gateway.backends.providers import ProviderError
+from gateway.backends.providers.anthropic_shapes import (
+    ERROR_STATUS,
+    error_type_named,
+    error_type_of,
+    status_of,
+)
 from gateway.backends.providers.translate import to_anthropic
 from gateway.backends.providers.translate_answer import AnthropicStreamTranslator, from_anthropic
 
@@ -141,3 +147,15 @@ def test_stream_without_message_start_or_stop_is_refused() -> None:
     )
     with pytest.raises(ProviderError, match="message_stop"):
         t.finish()
+
+
+def test_anthropic_error_types_and_statuses_agree_both_ways() -> None:
+    # the nine types Anthropic documents, 504 timeout_error among them
+    assert ERROR_STATUS["timeout_error"] == 504 and len(ERROR_STATUS) == 9
+    for etype, status in ERROR_STATUS.items():
+        assert (status_of(etype), error_type_of(status)) == (status, etype)
+    # a stream's error event has no status: an Anthropic type it names stands, any other
+    # type is its status's (none: 500)
+    assert error_type_named("timeout_error", None) == "timeout_error"
+    assert error_type_named("upstream_error", None) == "api_error"
+    assert error_type_named("upstream_error", 429) == "rate_limit_error"

@@ -9,9 +9,13 @@ cap the stream ends with a `request_timeout` error event (a whole answer: a 504)
 stream is closed, the slot and the team's count are free, and one usage record bills what the
 gateway read for it.
 
+On `/v1/messages` the cap's error is Anthropic's `timeout_error` (its type for a 504), whole
+(the status) and streamed (the error event, which has no status to say it), so the official
+`anthropic` client raises its `GatewayTimeoutError` and sees the type; it was `api_error`.
+
 Real parts: an echo node process that streams a token every 50 ms (bench/echo_node.py: an
 answer of 1,000 tokens takes 50 s), a `duet gateway` process with one admission slot and a 2 s
-cap in front, a team with `max_concurrent = 1`, plain HTTP.
+cap in front, a team with `max_concurrent = 1`, plain HTTP and the official `anthropic` client.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+import anthropic
+import pytest
 
 from tests.gateway.helpers import MODEL, gateway_proc, http, make_team, tiny_model
 from tests.procs import Proc, free_port, running
@@ -111,3 +118,38 @@ def test_a_request_past_the_cap_ends_frees_its_slot_and_is_billed_once(
         streamed, whole, _ = recs
         assert received <= streamed["completion_tokens"] < MAX_TOKENS, (received, streamed)
         assert 0 < whole["completion_tokens"] < MAX_TOKENS and whole["cost_usd"] > 0, whole
+
+
+def test_the_messages_api_says_timeout_error_past_the_cap(tmp_path: Path, tiny_llama: Path) -> None:
+    node = _echo(tmp_path)
+    g = gateway_proc(
+        tmp_path,
+        {MODEL: tiny_model(tiny_llama, both=[node.url])},
+        server={"request_timeout_s": CAP_S},
+    )
+    with running(node, g):
+        key = make_team(g.url, "slow")
+        # no retries (the client retries a 504), a bound far above the cap
+        client = anthropic.Anthropic(base_url=g.url, api_key=key, max_retries=0, timeout=25)
+        ask: dict[str, Any] = {
+            "model": MODEL,
+            "max_tokens": MAX_TOKENS,
+            "messages": [{"role": "user", "content": "slowly"}],
+        }
+
+        # a whole answer: a 504 of type timeout_error, as Anthropic's own API answers
+        with pytest.raises(anthropic.GatewayTimeoutError) as whole:
+            client.messages.create(**ask)
+        assert whole.value.status_code == 504, whole.value
+        assert whole.value.body["error"]["type"] == "timeout_error", whole.value.body
+
+        # a stream: its text flows, then the error event says timeout_error
+        seen: list[str] = []
+        with (
+            pytest.raises(anthropic.APIStatusError) as streamed,
+            client.messages.stream(**ask) as s,
+        ):
+            seen.extend(ev.type for ev in s)
+        assert seen[0] == "message_start" and "text" in seen, seen
+        assert "message_stop" not in seen, seen
+        assert streamed.value.body["error"]["type"] == "timeout_error", streamed.value.body

@@ -50,7 +50,7 @@ from gateway.api.chat_answer import (
     ToolStart,
     UsageSeen,
 )
-from gateway.backends.providers.anthropic_shapes import FINISH_REASONS, error_type_of
+from gateway.backends.providers.anthropic_shapes import FINISH_REASONS, error_type_named
 from protocol.chat import ThinkingBlock
 
 
@@ -158,12 +158,9 @@ class MessageStream:
                 self._usage = ev.usage
             elif isinstance(ev, Failed):
                 self._failed = True
-                status = ev.error.code if isinstance(ev.error.code, int) else 500
-                out.append(
-                    ErrorBody(
-                        error=ErrorObject(type=error_type_of(status), message=ev.error.message)
-                    )
-                )
+                status = ev.error.code if isinstance(ev.error.code, int) else None
+                etype = error_type_named(ev.error.type, status)
+                out.append(ErrorBody(error=ErrorObject(type=etype, message=ev.error.message)))
             elif isinstance(ev, Done):
                 self._close(out)
                 out.append(

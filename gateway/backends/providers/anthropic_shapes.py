@@ -6,8 +6,9 @@ request out to Anthropic, its answer back) and the gateway's own `/v1/messages` 
 back). Keeping the names here means the two directions cannot drift apart.
 
 Invariants: `FINISH_REASONS` inverts `STOP_REASONS` on every value an OpenAI answer can carry;
-`status_of` and `error_type_of` agree on the seven types Anthropic documents; usage: Anthropic's
-`input_tokens` excludes cache reads and writes, OpenAI's `prompt_tokens` includes them.
+`status_of` and `error_type_of` agree on the nine types Anthropic documents; usage: Anthropic's
+`input_tokens` excludes cache reads and writes, OpenAI's `prompt_tokens` includes them (and its
+`cached_tokens` are the reads, the gateway's `cache_write_tokens` the writes).
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ ERROR_STATUS = {
     "request_too_large": 413,
     "rate_limit_error": 429,
     "api_error": 500,
+    # the request ran out of time (the gateway's `[server] request_timeout_s`, a provider
+    # that did not answer in time): Anthropic answers its own timeouts so
+    "timeout_error": 504,
     "overloaded_error": 529,
 }
 _TYPE_OF_STATUS = {v: k for k, v in ERROR_STATUS.items()}
@@ -74,8 +78,18 @@ def error_type_of(status: int) -> str:
     return "invalid_request_error" if 400 <= status < 500 else "api_error"
 
 
+def error_type_named(error_type: str | None, status: int | None) -> str:
+    """The Anthropic type of an OpenAI-shaped error: its own type when Anthropic has one of that
+    name (a stream's error event carries no status: its type is all that says a timeout), else
+    the type of its status (none: 500)."""
+    if error_type in ERROR_STATUS:
+        return error_type
+    return error_type_of(500 if status is None else status)
+
+
 def anthropic_usage(u: Any) -> TokenUsage:
-    """An Anthropic usage object as TokenUsage (cache reads and writes count as prompt tokens)."""
+    """An Anthropic usage object as TokenUsage (cache reads and writes count as prompt tokens,
+    and are said as what they are: the writes are billed at the cache-write price)."""
     u = u if isinstance(u, dict) else {}
 
     def n(k: str) -> int:
@@ -87,6 +101,7 @@ def anthropic_usage(u: Any) -> TokenUsage:
         prompt_tokens=n("input_tokens") + read + write,
         completion_tokens=n("output_tokens"),
         cached_tokens=read,
+        cache_write_tokens=write,
     )
 
 

@@ -103,7 +103,13 @@ class Provider(abc.ABC):
 
     def cost(self, usage: TokenUsage) -> float:
         c = self.config
-        return cost_usd(usage, c.input_price_per_m, c.output_price_per_m, c.cached_price_per_m)
+        return cost_usd(
+            usage,
+            c.input_price_per_m,
+            c.output_price_per_m,
+            c.cached_price_per_m,
+            c.cache_write_price_per_m,
+        )
 
     # -- what each wire format supplies ----------------------------------------------------
 

@@ -93,6 +93,9 @@ class ProviderConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     output_price_per_m: float
     #: USD per 1M prompt tokens served from the provider's prompt cache (defaults to input price)
     cached_input_price_per_m: float | None = None
+    #: USD per 1M prompt tokens written to the provider's prompt cache (Anthropic's
+    #: `cache_creation_input_tokens`; defaults to the input price)
+    cache_write_input_price_per_m: float | None = None
     context_length: int
     tiers: tuple[Tier, ...] = ("interactive",)
     #: higher = more capable; `model: "auto"` picks the cheapest model whose rank is enough
@@ -114,6 +117,11 @@ class ProviderConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     @property
     def cached_price_per_m(self) -> float:
         p = self.cached_input_price_per_m
+        return self.input_price_per_m if p is None else p
+
+    @property
+    def cache_write_price_per_m(self) -> float:
+        p = self.cache_write_input_price_per_m
         return self.input_price_per_m if p is None else p
 
     def api_key(self) -> str | None:
@@ -145,8 +153,9 @@ class ProviderConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         for f in ("input_price_per_m", "output_price_per_m"):
             if getattr(self, f) < 0:
                 raise bad(f, "must not be negative")
-        if self.cached_input_price_per_m is not None and self.cached_input_price_per_m < 0:
-            raise bad("cached_input_price_per_m", "must not be negative")
+        for f in ("cached_input_price_per_m", "cache_write_input_price_per_m"):
+            if getattr(self, f) is not None and getattr(self, f) < 0:
+                raise bad(f, "must not be negative")
         if self.context_length < 1:
             raise bad("context_length", "must be at least 1")
         if not self.tiers:

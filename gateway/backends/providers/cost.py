@@ -1,8 +1,11 @@
 """Token usage of one provider call and what it cost: tokens × the provider's USD-per-1M prices.
 
 `cached_tokens` are the part of `prompt_tokens` the provider served from its prompt cache; they
-are billed at the cached-input price (Anthropic and OpenAI both discount them). Costs are
-floats in USD; accounting rounds only when it displays.
+are billed at the cached-input price (Anthropic and OpenAI both discount them).
+`cache_write_tokens` are the part it wrote to that cache (Anthropic's
+`cache_creation_input_tokens`; OpenAI's API has no such figure), billed at the cache-write price
+(Anthropic charges a premium for them). Costs are floats in USD; accounting rounds only when it
+displays.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ class TokenUsage(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    #: of `prompt_tokens`, those written to the provider's prompt cache (none of `cached_tokens`)
+    cache_write_tokens: int = 0
     #: True when the provider sent no usage and the counts were estimated from the text
     estimated: bool = False
 
@@ -24,12 +29,16 @@ class TokenUsage(msgspec.Struct, frozen=True, kw_only=True):
         return self.prompt_tokens + self.completion_tokens
 
     def openai(self) -> dict[str, object]:
-        """OpenAI's `usage` object."""
+        """OpenAI's `usage` object; cache writes as `prompt_tokens_details.cache_write_tokens`
+        when there are any (the gateway's own answers say them so: serving/openai_format.py)."""
+        details: dict[str, int] = {"cached_tokens": self.cached_tokens}
+        if self.cache_write_tokens:
+            details["cache_write_tokens"] = self.cache_write_tokens
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "prompt_tokens_details": details,
         }
 
     @classmethod
@@ -40,9 +49,15 @@ class TokenUsage(msgspec.Struct, frozen=True, kw_only=True):
         if not _count(p) or not _count(c):
             return None
         details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        details = details if isinstance(details, dict) else {}
+        cached = details.get("cached_tokens")
         cached = cached if _count(cached) and cached <= p else 0
-        return cls(prompt_tokens=p, completion_tokens=c, cached_tokens=cached)
+        # a figure that does not fit in the rest of the prompt is not believed (none written)
+        written = details.get("cache_write_tokens")
+        written = written if _count(written) and written <= p - cached else 0
+        return cls(
+            prompt_tokens=p, completion_tokens=c, cached_tokens=cached, cache_write_tokens=written
+        )
 
 
 def _count(x: object) -> TypeGuard[int]:
@@ -54,13 +69,17 @@ def cost_usd(
     input_price_per_m: float,
     output_price_per_m: float,
     cached_price_per_m: float | None = None,
+    cache_write_price_per_m: float | None = None,
 ) -> float:
-    """USD for `usage` at the given per-1M-token prices."""
+    """USD for `usage` at the given per-1M-token prices (cache reads and writes at the input
+    price unless theirs are given)."""
     cached_price = input_price_per_m if cached_price_per_m is None else cached_price_per_m
-    uncached = usage.prompt_tokens - usage.cached_tokens
+    write_price = input_price_per_m if cache_write_price_per_m is None else cache_write_price_per_m
+    fresh = usage.prompt_tokens - usage.cached_tokens - usage.cache_write_tokens
     return (
-        uncached * input_price_per_m
+        fresh * input_price_per_m
         + usage.cached_tokens * cached_price
+        + usage.cache_write_tokens * write_price
         + usage.completion_tokens * output_price_per_m
     ) / 1_000_000
 

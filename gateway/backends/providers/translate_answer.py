@@ -4,10 +4,11 @@ translate.py).
 A Message → a chat.completion (`from_anthropic`); the SSE events `message_start`,
 `content_block_start/delta/stop`, `message_delta`, `message_stop`, `ping` and `error` → OpenAI
 chunks (`AnthropicStreamTranslator`); usage (cache reads and writes count as prompt tokens,
-reads as cached tokens); stop reasons (`STOP_REASONS`). Thinking and redacted_thinking blocks
-become the message's `reasoning_content` (their text) and `thinking_blocks` (the blocks as
-they came, signatures and encrypted data included: LiteLLM's mapping); streamed, a
-`thinking_delta` is a chunk with both, a `signature_delta` one with the block's signature.
+reads as cached tokens, writes as cache-write tokens); stop reasons (`STOP_REASONS`). Thinking
+and redacted_thinking blocks become the message's `reasoning_content` (their text) and
+`thinking_blocks` (the blocks as they came, signatures and encrypted data included: LiteLLM's
+mapping); streamed, a `thinking_delta` is a chunk with both, a `signature_delta` one with the
+block's signature.
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ class AnthropicStreamTranslator:
         self._model = ""
         self._created = int(time.time())
         self._prompt = TokenUsage(prompt_tokens=0, completion_tokens=0)
+        #: message_start's usage object, as it came (a message_delta's counts update it)
+        self._counts: dict[str, Any] = {}
         self._output = 0
         self._started = False
         self._finish: str | None = None
@@ -116,6 +119,7 @@ class AnthropicStreamTranslator:
             prompt_tokens=p.prompt_tokens,
             completion_tokens=self._output,
             cached_tokens=p.cached_tokens,
+            cache_write_tokens=p.cache_write_tokens,
         )
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
@@ -149,7 +153,8 @@ class AnthropicStreamTranslator:
             m = _obj(d.get("message"))
             self._id = f"chatcmpl-{m.get('id', '')}"
             self._model = str(m.get("model", ""))
-            u = anthropic_usage(m.get("usage"))
+            self._counts = _obj(m.get("usage"))
+            u = anthropic_usage(self._counts)
             self._prompt = u
             self._output = u.completion_tokens
             self._started = True
@@ -219,8 +224,9 @@ class AnthropicStreamTranslator:
                 self._output = counts["output_tokens"]  # cumulative, per Anthropic's docs
             if isinstance(
                 counts.get("input_tokens"), int
-            ):  # newer API versions repeat the final input counts
-                self._prompt = anthropic_usage({**counts, "output_tokens": 0})
+            ):  # newer API versions repeat the final input counts (a cache figure left out
+                # of them stays as message_start said it)
+                self._prompt = anthropic_usage({**self._counts, **counts, "output_tokens": 0})
             self._finish = STOP_REASONS.get(delta.get("stop_reason") or "", "stop")
             return [self._chunk({}, self._finish)]
         if kind == "message_stop":
