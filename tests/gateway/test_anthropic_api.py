@@ -9,6 +9,7 @@ deterministic call. Checked where a client and an operator look: the SDK's parse
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -289,14 +290,18 @@ def test_output_config_format_is_response_format(env: Env) -> None:
 
 
 def test_a_stream_cut_mid_answer_ends_with_an_error_event(env: Env) -> None:
-    env.fakes["gpt"].faults.append(Fault.drop_after(3))
+    cut = threading.Event()
+    env.fakes["gpt"].faults.append(Fault.drop_after(3, cut))
     got: list[str] = []
     ask = [{"role": "user", "content": "one two three four five"}]
     with (
         pytest.raises(anthropic.APIStatusError) as e,
         env.client().messages.stream(model="gpt", max_tokens=16, messages=ask) as s,
     ):
-        got.extend(ev.type for ev in s)
+        for ev in s:
+            got.append(ev.type)
+            if ev.type == "text":  # the first words reached the client: now the provider drops
+                cut.set()
     assert got[0] == "message_start" and "message_stop" not in got
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "api_error"
 

@@ -342,9 +342,8 @@ def test_provider_429_falls_back_before_the_stream_starts(env: Env) -> None:
 def test_stream_cut_mid_answer_is_an_error_event_not_a_retry(env: Env) -> None:
     gpt = env.fakes["gpt"]
     seen = len(gpt.requests)
-    gpt.faults.append(
-        Fault.drop_after(3)
-    )  # the role chunk and two words, then the connection is cut
+    cut = threading.Event()  # the role chunk and two words, then the connection is cut
+    gpt.faults.append(Fault.drop_after(3, cut))
     stream = env.client().chat.completions.with_raw_response.create(
         model="gpt",
         messages=[{"role": "user", "content": "alpha beta gamma delta"}],
@@ -356,6 +355,8 @@ def test_stream_cut_mid_answer_is_an_error_event_not_a_retry(env: Env) -> None:
     with pytest.raises(openai.APIError) as e:
         for c in stream.parse():
             parts += [ch.delta.content or "" for ch in c.choices]
+            if "".join(parts) == "echo: alpha":
+                cut.set()  # the words have reached the client: now the provider drops
     assert "interrupted" in str(e.value.message)
     assert "".join(parts) == "echo: alpha"  # what arrived, once: no retry resent it
     assert len(gpt.requests) == seen + 1

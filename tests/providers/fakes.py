@@ -11,7 +11,9 @@ each request takes the next fault, if any:
 - `Fault.drop()`: the connection is closed before any answer;
 - `Fault.hang()`: no answer until the test ends (first-byte timeouts);
 - `Fault.stall_after(n)`: a stream sends n events, then goes silent (idle timeouts);
-- `Fault.drop_after(n)`: a stream sends n events, then the connection is cut;
+- `Fault.drop_after(n, cut=None)`: a stream sends n events, then the connection is cut (once
+  `cut`, a threading.Event, is set: the events are then known to have reached the client, where a
+  reset may otherwise arrive before the gateway read them and the kernel drops them unread);
 - `Fault.error_event(n)`: a stream sends n events, then the provider's in-stream error.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -37,6 +40,8 @@ class Fault:
     status: int = 0
     retry_after: str | None = None
     after: int = 0
+    #: drop_after: the cut waits for this (set by the test thread)
+    cut: threading.Event | None = None
 
     @classmethod
     def http(cls, status: int, retry_after: float | str | None = None) -> Fault:
@@ -62,8 +67,8 @@ class Fault:
         return cls("stall", after=n)
 
     @classmethod
-    def drop_after(cls, n: int) -> Fault:
-        return cls("drop_after", after=n)
+    def drop_after(cls, n: int, cut: threading.Event | None = None) -> Fault:
+        return cls("drop_after", after=n, cut=cut)
 
     @classmethod
     def error_event(cls, n: int) -> Fault:
@@ -180,6 +185,8 @@ class FakeProvider:
                 if fault.kind == "stall":
                     await self.released.wait()
                 elif fault.kind == "drop_after":
+                    if fault.cut is not None:
+                        await asyncio.get_running_loop().run_in_executor(None, fault.cut.wait, 60)
                     assert request.transport is not None
                     request.transport.abort()
                     raise asyncio.CancelledError
