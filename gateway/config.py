@@ -8,7 +8,8 @@ Unknown keys are refused (a typo in a price or a limit must not pass silently). 
     instance = "gateway-a"            # this gateway's own name (stable across restarts; unique)
     max_provider_calls = 256          # calls to external providers at once, all teams (0: no bound)
     request_timeout_s = 600           # a request's whole time at most: past it, a
-                                      # `request_timeout` error and its slots free (0: no cap)
+                                      # `request_timeout` error and its slots free (0: no cap;
+                                      # the batch runner's lines are not capped)
     guide_compile_timeout_s = 5.0     # a constraint's grammar compiling longer is a 400 (2 threads
                                       # compile, off the event loop: docs/structured-outputs.md)
 

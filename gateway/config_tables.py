@@ -133,7 +133,7 @@ class ServerConfig:
     #: ends with a `request_timeout` error event, a whole answer is a 504, the nodes' work is
     #: aborted and the slots it held are free (gateway/serving/wall_clock.py; 0: no cap). Its
     #: client cannot hold a tier slot or its team's `max_concurrent` longer, however slowly
-    #: it reads
+    #: it reads. The batch runner's lines are not capped (no client holds their slots)
     request_timeout_s: float = 600.0
     #: open connections from one client address (IPv6: one /64) at most; more are closed at
     #: once (0: no cap).

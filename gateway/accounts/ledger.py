@@ -118,6 +118,10 @@ class Caller:
     #: whether `request_id` is a key the request may be billed under again — a batch line's
     #: reruns, a client's retries under its `Idempotency-Key` — and what a second record does
     usage_key: UsageKey = UsageKey.NONE
+    #: the answer is bound by `[server] request_timeout_s`; the batch runner's lines are not: the
+    #: runner reads them as they come (no client holds their slot), and a line that needs longer
+    #: than the cap would only be retried to the same end
+    capped: bool = True
 
     def leg_id(self) -> str:
         """The id a run of this request sends its nodes: `request_id`, or — when it is a usage

@@ -134,6 +134,7 @@ class GatewayExecutor:
             time.monotonic(),
             self.price_factor,
             usage_key=UsageKey.RERUN,
+            capped=False,
         )
         try:
             call = parse(_ENDPOINTS[endpoint], _ENC.encode(body))

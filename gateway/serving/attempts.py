@@ -167,7 +167,7 @@ class Tries:
         )
         self.response_id = fmt.id  # the answer's id as the client gets it (gen_ai.response.id)
         ahead = self.serving.config.tiers.stream_read_ahead_bytes
-        cap_s = self.serving.config.server.request_timeout_s
+        cap_s = self.serving.config.server.request_timeout_s if self.ledger.caller.capped else 0.0
         self.relay = relay = Relay(
             self.ledger, reply, fmt, node_done if req.stream else None, ahead, cap_s
         )

@@ -6,7 +6,8 @@ reads a byte now and then, or a node that makes a token now and then: past the d
 relay stops, the reply is closed (the nodes' work aborted), the tier slot and the team's
 concurrency are given back, and the request is billed once as `request_timeout` — its prompt
 and the completion tokens the gateway had read for it, as for a client that leaves (the work
-was done at its request; a client that reads slowly must not get what it made free).
+was done at its request; a client that reads slowly must not get what it made free). The batch
+runner's lines are not capped (ledger.Caller.capped): the runner reads them as they come.
 """
 
 from __future__ import annotations

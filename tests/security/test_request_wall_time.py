@@ -153,3 +153,32 @@ def test_the_messages_api_says_timeout_error_past_the_cap(tmp_path: Path, tiny_l
         assert seen[0] == "message_start" and "text" in seen, seen
         assert "message_stop" not in seen, seen
         assert streamed.value.body["error"]["type"] == "timeout_error", streamed.value.body
+
+
+def test_a_batch_line_runs_past_the_cap(tmp_path: Path, tiny_llama: Path) -> None:
+    """The batch runner's lines are not cut at the cap: the runner reads them as they come, and a
+    line that needs longer than the cap would only be retried to the same end (before: a 504,
+    retried, each run cut again)."""
+    node = _echo(tmp_path)
+    g = gateway_proc(
+        tmp_path,
+        {MODEL: tiny_model(tiny_llama, both=[node.url])},
+        server={"request_timeout_s": CAP_S},
+    )
+    with running(node, g):
+        key = make_team(g.url, "bulk")
+        n = int(2 * CAP_S / TOKEN_DELAY_S)  # twice the cap at the node
+        line = {"model": MODEL, "prompt": "slowly", "max_tokens": n, "ignore_eos": True}
+        status, _, created = http(g.url + "/v1/batch", "POST", {"requests": [line]}, key=key)
+        assert status == 202, created
+
+        def ended() -> dict[str, Any] | None:
+            status, _, st = http(f"{g.url}/v1/batch/{created['batch_id']}", key=key)
+            assert status == 200, st
+            return st if st["status"] in ("completed", "failed", "expired", "cancelled") else None
+
+        st = wait_for(ended, 120, "the batch to end")
+        assert st["status"] == "completed", st
+        answer = st["results"][0]["response"]
+        assert answer["status_code"] == 200, answer
+        assert answer["body"]["usage"]["completion_tokens"] == n, answer
