@@ -353,7 +353,9 @@ void prefill_attention(const Step *s, int32_t layer, int32_t first, int32_t coun
  * again. Returns 1 where it does not apply (the per-token int8 path runs). */
 static int prefill_i8_dense(const Step *s, int32_t layer, int32_t first, int32_t count, const void *q,
                             int64_t q_stride, void *out, int64_t out_stride) {
-    if (count <= 0 || !blocked_path(s)) return 1;
+    /* fewer tokens than a query block would pay for the copy without sharing it (a fully cached
+     * prompt computes its last token alone): per token is cheaper */
+    if (count < 4 || !blocked_path(s)) return 1;
     const int row = s->token_row[first];
     int n = 0;
     for (int t = first; t < first + count; t++) {
