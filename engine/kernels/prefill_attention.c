@@ -304,7 +304,8 @@ static void prefill8(const Step *s, int32_t layer, int32_t first, int32_t count,
 }
 #endif
 
-/* Whether a float pool's prefill takes a query-block path below (else the per-token kernel). */
+/* Whether a float pool's prefill takes a query-block path (prefill_attention's dispatch and the
+ * int8 pool's dense copy both ask; else the per-token kernel). */
 static int blocked_path(const Step *s) {
     const int G = s->num_heads / s->num_kv_heads;
     if (s->window != 0 || s->head_dim > 256) return 0;
@@ -408,10 +409,9 @@ void prefill_attention(const Step *s, int32_t layer, int32_t first, int32_t coun
         return;
     }
     if (prefill_attention_amx(s, layer, first, count, q, q_stride, out, out_stride) == 0) return;
-    const int G = s->num_heads / s->num_kv_heads;
 #if defined(__AVX512BF16__)
-    if (s->bf16 && s->head_dim % 32 == 0 && s->head_dim <= 256 && s->window == 0 && G <= MAXR) {
-        const int qb = MAXR / G;
+    if (blocked_path(s)) {
+        const int G = s->num_heads / s->num_kv_heads, qb = MAXR / G;
         int *starts = (int *)malloc(sizeof(int) * (size_t)(count + 1));
         int nb = 0;
         for (int t = first; t < first + count; t++) {
@@ -444,11 +444,10 @@ void prefill_attention(const Step *s, int32_t layer, int32_t first, int32_t coun
         return;
     }
 #elif defined(DUET_AVX2)
-    if (s->head_dim % 16 == 0 && s->head_dim <= 256 && s->window == 0 && G <= PR) {
+    if (blocked_path(s)) {
         prefill8(s, layer, first, count, q, q_stride, out, out_stride);
         return;
     }
 #endif
-    (void)G;
     paged_attention(s, layer, first, count, q, q_stride, (char *)out, out_stride);
 }
